@@ -1,0 +1,1 @@
+"""Data files: the default ladder and the device table."""

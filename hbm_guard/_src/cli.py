@@ -1,0 +1,137 @@
+"""The `hbm-guard` command: explain an out-of-memory error, or render a post-mortem report.
+
+  hbm-guard explain [FILE|-] [--json]   exit 0: found one; 1: none; 2: usage error
+  hbm-guard report REPORT.json          a ladder's post-mortem, for a person
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence, TextIO
+
+from hbm_guard._src import diagnose as diagnose_lib
+from hbm_guard._src import record as record_lib
+
+_fmt = diagnose_lib.format_bytes
+_MAX_LISTED = 5
+
+
+def render_explanation(rec: record_lib.E1000Record, diag: diagnose_lib.Diagnosis) -> str:
+  """What ran out, by how much, the largest allocations, the scenario and the advice."""
+  lines = []
+  code = f" {rec.error_code}" if rec.error_code else ""
+  lines.append(f"XLA out-of-memory{code}: {rec.kind} ({rec.memory_space or 'memory'})")
+  if rec.hlo_module:
+    lines.append(f"  module:    {rec.hlo_module}")
+  need, have = rec.required_bytes, rec.available_bytes
+  if need is not None:
+    lines.append(f"  needs:     {_fmt(need)}")
+  if rec.tensorcore_bytes is not None or rec.sparsecore_bytes is not None:
+    lines.append(f"             TensorCore {_fmt(rec.tensorcore_bytes)}, "
+                 f"SparseCore {_fmt(rec.sparsecore_bytes)}")
+  if have is not None:
+    lines.append(f"  has:       {_fmt(have)}")
+  short = rec.shortfall_bytes
+  if short is not None and short > 0:
+    lines.append(f"  short by:  {_fmt(short)}")
+  if rec.breakdown:
+    parts = [f"{k} {_fmt(v)}" for k, v in rec.breakdown.items() if v is not None]
+    lines.append("  breakdown: " + ", ".join(parts))
+  listed = list(rec.allocations[:_MAX_LISTED])
+  if listed:
+    lines.append(f"  largest allocations ({len(rec.allocations)} listed):")
+    for i, a in enumerate(listed, start=1):
+      where = a.op_name or a.xla_label or "?"
+      if len(where) > 100:
+        where = where[:97] + "..."
+      pad = (f", padding {_fmt(a.padding_bytes)}" if a.padding_bytes else "")
+      lines.append(f"    {i}. {_fmt(a.size_bytes)} {a.shape_text or ''}{pad}")
+      lines.append(f"       {where}")
+      if a.source_file:
+        lines.append(f"       at {a.source_file}"
+                     + (f":{a.source_line}" if a.source_line else ""))
+  lines.append("")
+  lines.append(f"Scenario {diag.scenario or '-'}"
+               + (f" ({diag.variant})" if diag.variant else "")
+               + (f" [{', '.join(diag.sections)}]" if diag.sections else ""))
+  lines.append(f"  {diag.summary}")
+  for p in diag.padding[:_MAX_LISTED]:
+    lines.append(f"  padding: allocation #{p.index} {list(p.shape)} is laid out as "
+                 f"{list(p.padded_shape)} ({p.expansion}x, {_fmt(p.padding_bytes)} wasted); "
+                 f"dims {list(p.padded_dims)} pad; {list(p.aligned_shape)} would not.")
+  lines.append("")
+  lines.append("Advice, most promising first:")
+  for i, a in enumerate(diag.advice, start=1):
+    tag = f" [rung: {a.rung}]" if a.rung else ""
+    warn = " (may change model behaviour)" if a.may_change_behaviour else ""
+    lines.append(f"  {i}. [{a.section}] {a.text}{warn}{tag}")
+  lines.append(f"\nSee {diag.docs}")
+  return "\n".join(lines)
+
+
+def _read(path: str) -> str:
+  if path == "-":
+    data = sys.stdin.buffer.read()
+  else:
+    with open(path, "rb") as f:
+      data = f.read()
+  return data.decode("utf-8", errors="replace")
+
+
+def _explain(args, out: TextIO) -> int:
+  try:
+    text = _read(args.file)
+  except OSError as e:
+    print(f"hbm-guard explain: cannot read {args.file}: {e.strerror or e}", file=sys.stderr)
+    return 2
+  rec = record_lib.parse(text)
+  if rec is None:
+    if args.json:
+      print(json.dumps({"record": None, "diagnosis": None}), file=out)
+    else:
+      print("No XLA out-of-memory error found.", file=out)
+    return 1
+  diag = diagnose_lib.diagnose(rec)
+  if args.json:
+    print(json.dumps({"record": rec.to_dict(), "diagnosis": diag.to_dict()}, indent=2),
+          file=out)
+  else:
+    print(render_explanation(rec, diag), file=out)
+  return 0
+
+
+def _report(args, out: TextIO) -> int:
+  from hbm_guard._src import report as report_lib  # pylint: disable=g-import-not-at-top
+  try:
+    with open(args.file, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    print(f"hbm-guard report: cannot read {args.file}: {e}", file=sys.stderr)
+    return 2
+  print(report_lib.render(data), file=out)
+  return 0
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+  out = out or sys.stdout
+  parser = argparse.ArgumentParser(
+      prog="hbm-guard", description="Explain XLA out-of-memory errors (E1000).")
+  sub = parser.add_subparsers(dest="command", required=True)
+  p = sub.add_parser("explain", help="parse and diagnose an out-of-memory error")
+  p.add_argument("file", nargs="?", default="-", help="a log or message; '-' for stdin")
+  p.add_argument("--json", action="store_true", help="print {record, diagnosis} as JSON")
+  r = sub.add_parser("report", help="render a guarded_jit post-mortem report")
+  r.add_argument("file", help="the report's JSON file")
+  try:
+    args = parser.parse_args(argv)
+  except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+    return int(e.code or 0)
+  if args.command == "explain":
+    return _explain(args, out)
+  return _report(args, out)
+
+
+def run() -> None:
+  sys.exit(main())

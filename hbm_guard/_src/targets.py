@@ -1,0 +1,91 @@
+"""Where a step must fit: device generations, their HBM, and TPU topologies to compile for.
+
+A target such as "v5e:2x2" is compiled for ahead of time with libtpu on the local machine
+(`jax.experimental.topologies`), so a CPU-only host sees the TPU compiler's real E1000.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+import re
+from typing import Any
+
+import jax
+
+from hbm_guard._src import errors
+from hbm_guard._src import record as record_lib
+
+
+@functools.cache
+def device_table() -> dict[str, dict[str, Any]]:
+  text = importlib.resources.files("hbm_guard.configs").joinpath("devices.json").read_text()
+  return json.loads(text)["devices"]
+
+
+def hbm_bytes(name: str) -> int:
+  """HBM per device for a generation name ("v5e") or a JAX device_kind ("TPU v5 lite")."""
+  table = device_table()
+  key = name.lower().split(":")[0]
+  if key in table:
+    return int(table[key]["hbm_gib"] * 2**30)
+  for entry in table.values():
+    if name in entry["kinds"]:
+      return int(entry["hbm_gib"] * 2**30)
+  raise errors.UnknownTargetError(
+      f"Unknown device {name!r}; known: {', '.join(sorted(table))}.")
+
+
+def parse_capacity(capacity: int | str | None) -> int | None:
+  """16 * 2**30, "16GiB", "16G" or a device name ("v5e") -> bytes."""
+  if capacity is None or isinstance(capacity, int):
+    return capacity
+  size = record_lib.parse_size(capacity)
+  if size is not None and size > 0:
+    return size
+  return hbm_bytes(capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A TPU topology to compile for: "v5e:2x2", "v5p:2x2x1", "v6e:1x1"."""
+  name: str
+  generation: str
+  chips: tuple[int, ...]
+
+  @property
+  def hbm_bytes(self) -> int:
+    return hbm_bytes(self.generation)
+
+  @classmethod
+  def parse(cls, name: str) -> "Target":
+    m = re.fullmatch(r"\s*(\w+):(\d+(?:x\d+)*)\s*", name)
+    if not m or m.group(1).lower() not in device_table():
+      raise errors.UnknownTargetError(
+          f"Target {name!r} is not GENERATION:TOPOLOGY such as 'v5e:2x2' or 'v5p:2x2x1'.")
+    chips = tuple(int(x) for x in m.group(2).split("x"))
+    return cls(name=name.strip(), generation=m.group(1).lower(), chips=chips)
+
+  def devices(self) -> list[Any]:
+    return list(_topology(self.name, self.chips))
+
+
+@functools.cache
+def _topology(name: str, chips: tuple[int, ...]):
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  bounds = tuple(min(c, 2) for c in (chips + (1, 1, 1))[:2]) + (1,)
+  try:
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=name, chip_config_name="default",
+        chips_per_host_bounds=bounds, num_slices=1)
+  except Exception as e:  # libtpu missing, or a topology it does not know
+    raise errors.UnknownTargetError(
+        f"Cannot compile for {name!r} here: {e}. Install the 'tpu' extra "
+        "(pip install 'hbm_guard[tpu]') for libtpu.") from e
+  return tuple(topo.devices)
+
+
+def local_backend() -> str:
+  return jax.default_backend()

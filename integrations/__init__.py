@@ -1,0 +1,1 @@
+"""Framework integrations (flax, optax, orbax), each imported lazily."""

@@ -1,0 +1,30 @@
+"""Shared fixtures: TPU topology devices from libtpu, for real-compiler tests."""
+
+import os
+
+import jax
+import pytest
+
+from hbm_guard._src import targets
+
+# CI sets HBM_GUARD_REQUIRE_TPU=1 so a missing libtpu fails the run instead of skipping.
+_REQUIRE = os.environ.get("HBM_GUARD_REQUIRE_TPU") == "1"
+
+
+def _devices(name):
+  try:
+    return targets.Target.parse(name).devices()
+  except Exception as e:  # pylint: disable=broad-except
+    if _REQUIRE:
+      raise
+    pytest.skip(f"libtpu cannot compile for {name} here: {e}")
+
+
+@pytest.fixture(scope="session")
+def v5e_devices():
+  return _devices("v5e:2x2")
+
+
+@pytest.fixture(scope="session")
+def v5e_mesh1(v5e_devices):
+  return jax.sharding.Mesh(v5e_devices[:1], ("x",))
