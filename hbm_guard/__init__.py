@@ -13,6 +13,17 @@ from hbm_guard._src.errors import InvalidLadderError
 from hbm_guard._src.errors import LadderExhaustedError
 from hbm_guard._src.errors import UnevenMicrobatchError
 from hbm_guard._src.errors import UnknownTargetError
+from hbm_guard._src.guard import Attempt
+from hbm_guard._src.guard import GuardedFunction
+from hbm_guard._src.guard import guarded_jit
+from hbm_guard._src.helpers import checkpoint
+from hbm_guard._src.helpers import compute_dtype
+from hbm_guard._src.helpers import remat_policy
+from hbm_guard._src.helpers import value_and_grad
+from hbm_guard._src.ladder import Rung
+from hbm_guard._src.ladder import load_ladder
+from hbm_guard._src.plan import Plan
+from hbm_guard._src.plan import current_plan
 from hbm_guard._src.record import Allocation
 from hbm_guard._src.record import E1000Record
 from hbm_guard._src.record import parse
@@ -23,6 +34,10 @@ __version__ = "0.1.0"
 __all__ = (
     "Advice",
     "Allocation",
+    "Attempt",
+    "GuardedFunction",
+    "Plan",
+    "Rung",
     "Diagnosis",
     "E1000Record",
     "HbmGuardError",
@@ -30,8 +45,15 @@ __all__ = (
     "LadderExhaustedError",
     "UnevenMicrobatchError",
     "UnknownTargetError",
+    "checkpoint",
+    "compute_dtype",
+    "current_plan",
     "diagnose",
     "format_bytes",
+    "guarded_jit",
+    "load_ladder",
     "parse",
     "parse_size",
+    "remat_policy",
+    "value_and_grad",
 )

@@ -1,0 +1,253 @@
+"""The fallback ladder: rungs as data, and the choice of the next plan to compile.
+
+The measure of a ladder is how few compiles it needs. So the next plan is not simply the
+next rung: a rung whose saving has a known bound that cannot close the gap on its own is
+folded into the next compile when it is free (donation, resharding) and skipped otherwise;
+the microbatch count is computed from the numbers, not found by halving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+from hbm_guard._src import errors
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import record as record_lib
+
+CLASSES = ("exact", "numerics", "behaviour")
+KINDS = ("donate", "reshard", "compiler_options", "remat", "microbatch", "offload", "dtype")
+# The plan field a plan-aware rung needs the step to read.
+_NEEDS_FIELD = {"remat": "remat_policy", "microbatch": "microbatches", "dtype": "compute_dtype",
+                "offload": "offload_optimizer"}
+HEADROOM = 0.95  # aim below the capacity: estimates are estimates
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+  name: str
+  kind: str
+  semantic_class: str
+  section: str
+  options: tuple[tuple[str, Any], ...] = ()
+  policies: tuple[str, ...] = ()
+  dtype: str | None = None
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "Rung":
+    kind, klass = d.get("kind"), d.get("class", "exact")
+    if kind not in KINDS:
+      raise errors.InvalidLadderError(f"Rung {d.get('name')!r}: unknown kind {kind!r}; "
+                                      f"kinds are {', '.join(KINDS)}.")
+    if klass not in CLASSES:
+      raise errors.InvalidLadderError(f"Rung {d.get('name')!r}: unknown class {klass!r}; "
+                                      f"classes are {', '.join(CLASSES)}.")
+    return cls(name=d["name"], kind=kind, semantic_class=klass, section=d.get("section", ""),
+               options=tuple(sorted(dict(d.get("options", {})).items())),
+               policies=tuple(d.get("policies", ())), dtype=d.get("dtype"))
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {"name": self.name, "kind": self.kind, "class": self.semantic_class,
+         "section": self.section}
+    if self.options:
+      d["options"] = dict(self.options)
+    if self.policies:
+      d["policies"] = list(self.policies)
+    if self.dtype:
+      d["dtype"] = self.dtype
+    return d
+
+
+@functools.cache
+def _default_rungs() -> tuple[Rung, ...]:
+  text = importlib.resources.files("hbm_guard.configs").joinpath("ladder.json").read_text()
+  return tuple(Rung.from_dict(r) for r in json.loads(text)["rungs"])
+
+
+def load_ladder(ladder: str | os.PathLike | Sequence[Any] | None = None) -> tuple[Rung, ...]:
+  """The default ladder, a JSON file of the same shape, or a list of rungs / dicts."""
+  if ladder is None:
+    return _default_rungs()
+  if isinstance(ladder, (str, os.PathLike)):
+    with open(ladder, encoding="utf-8") as f:
+      data = json.load(f)
+    ladder = data["rungs"] if isinstance(data, dict) else data
+  rungs = tuple(r if isinstance(r, Rung) else Rung.from_dict(r) for r in ladder)
+  names = [r.name for r in rungs]
+  if len(set(names)) != len(names):
+    raise errors.InvalidLadderError(f"Rung names repeat: {names}.")
+  return rungs
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFacts:
+  """What the guard knows about the step, for deciding which rungs apply."""
+  platform: str  # the platform compiled for: "tpu", "cpu", "gpu"
+  num_devices: int
+  plan_reads: frozenset[str]  # plan fields the step read when traced ("*": all)
+  state_argnums: tuple[int, ...]  # arguments the step replaces (state in, state out)
+  state_bytes: int  # bytes of those arguments
+  batch_size: int | None  # as a plan-aware helper saw it
+  has_host_memory: bool = False
+
+  def reads(self, field: str) -> bool:
+    return "*" in self.plan_reads or field in self.plan_reads
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+  rung: str
+  reason: str
+
+
+def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -> str | None:
+  """None if the rung can be applied to `plan`; else why not."""
+  if CLASSES.index(rung.semantic_class) > CLASSES.index(max_class):
+    return (f"withheld: class '{rung.semantic_class}' is above the allowed '{max_class}' "
+            "(allow it with max_class=...)")
+  if rung.kind in _NEEDS_FIELD and not facts.reads(_NEEDS_FIELD[rung.kind]):
+    return ("the step is not plan-aware for this rung (build it with hbm_guard's helpers, "
+            "e.g. hbm_guard.value_and_grad / integrations.flax remat)")
+  if rung.kind == "donate":
+    if not facts.state_argnums:
+      return "no argument is declared replaced by the step (pass state_argnums=...)"
+    if set(facts.state_argnums) <= set(plan.donate_argnums):
+      return "already donated"
+  if rung.kind == "reshard":
+    if facts.num_devices < 2:
+      return f"needs several devices; {facts.num_devices} present"
+    if not facts.state_argnums:
+      return "no state argument to shard (pass state_argnums=...)"
+    if plan.shard_state:
+      return "state already sharded"
+  if rung.kind == "compiler_options":
+    if facts.platform != "tpu":
+      return f"XLA:TPU flags; compiling for {facts.platform}"
+    if all(dict(plan.compiler_options).get(k) == v for k, v in rung.options):
+      return "options already set"
+  if rung.kind == "remat" and _next_policy(rung, plan) is None:
+    return "every remat policy already tried"
+  if rung.kind == "offload":
+    if not facts.has_host_memory:
+      return "no host memory space on this backend"
+    if plan.offload_optimizer:
+      return "already offloaded"
+  if rung.kind == "dtype" and plan.compute_dtype == rung.dtype:
+    return f"already {rung.dtype}"
+  return None
+
+
+def _next_policy(rung: Rung, plan: plan_lib.Plan) -> str | None:
+  policies = rung.policies or ("nothing_saveable",)
+  if plan.remat_policy is None:
+    return policies[0]
+  if plan.remat_policy in policies:
+    i = policies.index(plan.remat_policy)
+    return policies[i + 1] if i + 1 < len(policies) else None
+  return None
+
+
+def microbatch_count(batch_size: int | None, current: int, rec: record_lib.E1000Record,
+                     temp_bytes: int | None) -> tuple[int | None, str]:
+  """The fewest microbatches predicted to fit, dividing the batch; (None, why) if none.
+
+  Temporaries scale about linearly with the per-step batch, so with T temporaries now and
+  F the rest, k microbatches need about F + T * current / k.
+  """
+  if not batch_size:
+    return None, "the batch size is unknown"
+  need, have = rec.required_bytes, rec.available_bytes
+  divisors = [k for k in range(current + 1, batch_size + 1) if batch_size % k == 0]
+  if not divisors:
+    return None, f"batch {batch_size} splits no further than {current} microbatches"
+  temps = temp_bytes if temp_bytes else (need if rec.kind == "compile_hbm_early" else None)
+  if need is None or have is None or not temps:
+    return divisors[0], "no numbers to size the split: the next divisor"
+  fixed = max(0, need - temps)
+  room = HEADROOM * have - fixed
+  if room <= 0:
+    return None, (f"the rest of the step ({fixed} bytes) alone exceeds the capacity: "
+                  "microbatching cannot close the gap")
+  want = math.ceil(temps * current / room)
+  for k in divisors:
+    if k >= want:
+      return k, f"temporaries {temps} bytes at {current} -> about {temps * current // k} at {k}"
+  return divisors[-1], "even one example per microbatch may not fit; trying the most"
+
+
+def saving_bound(rung: Rung, facts: StepFacts) -> int | None:
+  """Most bytes a rung can save, when that is known before compiling."""
+  if rung.kind == "donate":
+    return facts.state_bytes
+  if rung.kind == "reshard":
+    return facts.state_bytes - facts.state_bytes // max(1, facts.num_devices)
+  return None
+
+
+_FOLDABLE = ("donate", "reshard")  # free of compute cost: worth carrying along
+
+
+def apply(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, rec: record_lib.E1000Record,
+          temp_bytes: int | None) -> tuple[plan_lib.Plan | None, str]:
+  """The plan one step up this rung, or (None, why not)."""
+  if rung.kind == "donate":
+    argnums = tuple(sorted(set(plan.donate_argnums) | set(facts.state_argnums)))
+    return plan.added(rung.name, donate_argnums=argnums), ""
+  if rung.kind == "reshard":
+    return plan.added(rung.name, shard_state=True), ""
+  if rung.kind == "compiler_options":
+    return dataclasses.replace(plan.with_options(dict(rung.options)),
+                               rungs=plan.rungs + (rung.name,)), ""
+  if rung.kind == "remat":
+    return plan.added(rung.name, remat_policy=_next_policy(rung, plan)), ""
+  if rung.kind == "microbatch":
+    k, why = microbatch_count(facts.batch_size, plan.microbatches, rec, temp_bytes)
+    if k is None:
+      return None, why
+    return plan.added(rung.name, microbatches=k), why
+  if rung.kind == "offload":
+    return plan.added(rung.name, offload_optimizer=True), ""
+  if rung.kind == "dtype":
+    return plan.added(rung.name, compute_dtype=rung.dtype), ""
+  raise AssertionError(rung.kind)
+
+
+def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
+              rec: record_lib.E1000Record, max_class: str, temp_bytes: int | None = None,
+              ) -> tuple[plan_lib.Plan | None, list[Skip]]:
+  """The cheapest plan predicted to fit, from `plan` after it failed with `rec`."""
+  gap = rec.shortfall_bytes
+  skips: list[Skip] = []
+  folded = 0
+  candidate = plan
+  for rung in rungs:
+    if rung.kind not in ("remat", "microbatch") and rung.name in candidate.rungs:
+      continue
+    why = applies(rung, candidate, facts, max_class)
+    if why is not None:
+      if not (rung.name in plan.rungs and why.startswith("already")):
+        skips.append(Skip(rung.name, why))
+      continue
+    bound = saving_bound(rung, facts)
+    new, why = apply(rung, candidate, facts, rec, temp_bytes)
+    if new is None:
+      skips.append(Skip(rung.name, why))
+      continue
+    if bound is not None and gap is not None and gap > 0 and folded + bound < gap:
+      if rung.kind in _FOLDABLE:
+        folded += bound
+        candidate = new
+        skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed: "
+                                     "carried into the next compile, not compiled alone"))
+        continue
+      skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed"))
+      continue
+    return new, skips
+  if candidate != plan:  # only free rungs were left: still worth one compile
+    return candidate, skips
+  return None, skips

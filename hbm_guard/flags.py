@@ -1,0 +1,38 @@
+"""absl flags that switch hbm_guard on for a training binary.
+
+Defined here, not in the core, so `import hbm_guard` registers no flags. A binary does
+
+    from hbm_guard import flags as hbm_flags
+    step = hbm_guard.guarded_jit(train_step, state_argnums=0, **hbm_flags.guard_options())
+
+and is run with `--hbm_guard_auto_fallback --hbm_guard_target=v5e:2x2 ...`.
+"""
+
+from absl import flags
+
+AUTO_FALLBACK = flags.DEFINE_bool(
+    "hbm_guard_auto_fallback", False,
+    "On a compile-time out-of-memory (E1000), recompile down the fallback ladder. Off: the "
+    "error is diagnosed and reported, then raised as the compiler raised it.")
+MAX_CLASS = flags.DEFINE_enum(
+    "hbm_guard_max_class", "exact", ["exact", "numerics", "behaviour"],
+    "Highest rung class allowed: exact (same math), numerics (same math, other rounding, "
+    "e.g. microbatching), behaviour (may change training, e.g. bf16).")
+MAX_ATTEMPTS = flags.DEFINE_integer(
+    "hbm_guard_max_attempts", 8, "Most compiles per input signature.", lower_bound=1)
+TARGET = flags.DEFINE_string(
+    "hbm_guard_target", None, "Compile for this TPU topology (e.g. v5e:2x2) with libtpu.")
+CAPACITY = flags.DEFINE_string(
+    "hbm_guard_capacity", None,
+    "Memory per device the step must fit: bytes, '16GiB', or a device name ('v5e').")
+REPORT_DIR = flags.DEFINE_string(
+    "hbm_guard_report_dir", None, "Where the post-mortem JSON report is written.")
+LADDER = flags.DEFINE_string(
+    "hbm_guard_ladder", None, "A ladder JSON file replacing configs/ladder.json.")
+
+
+def guard_options() -> dict:
+  """guarded_jit keyword arguments from the parsed flags."""
+  return dict(auto_fallback=AUTO_FALLBACK.value, max_class=MAX_CLASS.value,
+              max_attempts=MAX_ATTEMPTS.value, target=TARGET.value, capacity=CAPACITY.value,
+              report_dir=REPORT_DIR.value, ladder=LADDER.value)

@@ -1,0 +1,90 @@
+"""Flax (linen and nnx) and optax: per-layer remat and a fully plan-aware train step.
+
+    from hbm_guard.integrations import flax as hg_flax
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        for _ in range(4):
+          x = hg_flax.remat(Block)(dtype=hbm_guard.compute_dtype(jnp.float32))(x)
+        ...
+
+    step = hg_flax.guarded_train_step(loss_fn, target="v5e:2x2", max_class="numerics")
+    state, metrics = step(state, batch)
+
+Flax is imported lazily: importing hbm_guard never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hbm_guard._src import guard as guard_lib
+from hbm_guard._src import helpers
+
+
+def remat(target: Any, **kwargs) -> Any:
+  """Per-layer remat following the plan, for a linen Module class or an nnx function.
+
+  Before the ladder's remat rung the policy saves everything (no recompute, same memory
+  as no remat); after it, the plan's `jax.checkpoint_policies` policy. The parameter tree
+  is the same either way, so a plan change never breaks a checkpoint. Works inside
+  `nn.scan` / `nnx.scan`: wrap the layer, then scan it.
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  if isinstance(target, type) and issubclass(target, nn.Module):
+    return nn.remat(target, policy=helpers.remat_policy, **kwargs)
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx.remat(target, policy=helpers.remat_policy, **kwargs)
+
+
+def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+  """A plan-aware `step(state, batch) -> (state, metrics)` for a flax TrainState.
+
+  `loss_fn(params, batch, apply_fn)` returns the mean loss over the batch (and aux when
+  `has_aux`). Gradients come from `hbm_guard.value_and_grad`, so the microbatch rung
+  applies; remat and dtype apply inside the model through `remat` and `compute_dtype`.
+  """
+  def step(state, batch):
+    def loss(params, batch):
+      return loss_fn(params, batch, state.apply_fn)
+    out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux)(
+        state.params, batch)
+    value, aux = out if has_aux else (out, None)
+    state = state.apply_gradients(grads=grads)
+    metrics = {"loss": value}
+    if aux is not None:
+      metrics["aux"] = aux
+    return state, metrics
+
+  return step
+
+
+def guarded_train_step(loss_fn: Callable, *, has_aux: bool = False, **guard_options
+                       ) -> guard_lib.GuardedFunction:
+  """`train_step` under `guarded_jit`, with the state (argument 0) donatable and shardable."""
+  guard_options.setdefault("state_argnums", 0)
+  return guard_lib.guarded_jit(train_step(loss_fn, has_aux=has_aux), **guard_options)
+
+
+def nnx_train_step(loss_fn: Callable, tx: Any, graphdef: Any) -> Callable:
+  """A plan-aware functional step for nnx: `step((params, opt_state), batch)`.
+
+  `loss_fn(model, batch)` returns the mean loss; `graphdef` comes from `nnx.split(model)`
+  and `tx` is an optax transformation. Returns the new `(params, opt_state)` and
+  `{"loss": ...}`, so the guard can donate the state (state_argnums=0).
+  """
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  def step(state, batch):
+    params, opt_state = state
+
+    def loss(p, b):
+      return loss_fn(nnx.merge(graphdef, p), b)
+    value, grads = helpers.value_and_grad(loss, batch_argnums=1)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), {"loss": value}
+
+  return step
