@@ -1,0 +1,197 @@
+"""guarded_jit on the local CPU: a drop-in for jax.jit, and the ladder under capacity=."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import flagsaver
+
+import hbm_guard
+from hbm_guard._src import diagnose as D
+from hbm_guard._src import ladder as L
+from hbm_guard._src import record as R
+
+
+def sgd_step(w, x):
+  g = jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+  return w - 0.1 * g, g.sum()
+
+
+W = jnp.full((1024, 1024), 0.01)
+X = jnp.ones((64, 1024))
+
+
+def test_same_results_as_jit_and_decorator_forms():
+  ref = jax.jit(sgd_step)(W, X)
+  for step in (hbm_guard.guarded_jit(sgd_step), hbm_guard.guarded_jit()(sgd_step)):
+    out = step(W, X)
+    np.testing.assert_array_equal(out[0], ref[0])
+    assert step.plan == hbm_guard.Plan() and len(step.attempts) == 1
+
+  @hbm_guard.guarded_jit(static_argnames="n")
+  def power(x, n):
+    return x ** n
+  assert float(power(jnp.float32(2.0), n=3)) == 8.0
+  assert float(power(jnp.float32(2.0), n=4)) == 16.0
+  assert power.lower(jnp.float32(2.0), n=3).compile()(jnp.float32(3.0)) == 27.0
+  assert power.__name__ == "power"
+
+
+def test_later_calls_do_not_retrace_or_recompile():
+  traces = []
+
+  def step(x):
+    traces.append(1)
+    return x * 2
+
+  g = hbm_guard.guarded_jit(step)
+  for _ in range(5):
+    g(jnp.ones(4))
+  n = len(traces)
+  for _ in range(20):
+    g(jnp.ones(4))
+  assert len(traces) == n and len(g.attempts) == 1
+  g(jnp.ones(8))  # a new signature: one more fit
+  assert len(g.attempts) == 2
+
+
+def test_non_oom_errors_pass_through_unchanged():
+  def bad(x):
+    return x @ jnp.ones((3, 3))
+
+  with pytest.raises(TypeError) as want:
+    jax.jit(bad)(jnp.ones((4, 4)))
+  with pytest.raises(TypeError) as got:
+    hbm_guard.guarded_jit(bad)(jnp.ones((4, 4)))
+  assert str(got.value) == str(want.value)
+
+  def raises(x):
+    raise KeyError("mine")
+  with pytest.raises(KeyError, match="mine"):
+    hbm_guard.guarded_jit(raises)(jnp.ones(2))
+
+
+def test_donation_makes_it_fit_by_the_compilers_numbers(tmp_path):
+  plain = hbm_guard._src.guard.memory_of(jax.jit(sgd_step).lower(W, X).compile())
+  capacity = plain["peak"] - W.nbytes // 2  # donating W saves W.nbytes
+  step = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=capacity,
+                               report_dir=str(tmp_path))
+  w = jnp.array(W)
+  out = step(w, X)
+  first, last = step.attempts[0], step.attempts[-1]
+  assert first.outcome == "oom" and first.record.kind == R.BUDGET
+  assert first.memory["peak"] > capacity >= last.memory["peak"]
+  assert last.memory["alias"] == W.nbytes  # the compiler aliases the donated state
+  assert step.plan.donate_argnums == (0,) and len(step.attempts) == 2
+  np.testing.assert_allclose(out[0], jax.jit(sgd_step)(W, X)[0])
+  report = json.loads(open(step.report_path).read())
+  assert report["status"] == "fits" and report["compiles"] == 2
+
+
+def test_no_donation_without_state_argnums():
+  plain = hbm_guard._src.guard.memory_of(jax.jit(sgd_step).lower(W, X).compile())
+  step = hbm_guard.guarded_jit(sgd_step, capacity=plain["peak"] - 1, report_dir="/tmp/hg")
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    step(W, X)
+  skipped = {s.rung: s.reason for s in step.attempts[0].skipped}
+  assert "state_argnums" in skipped["donate"]
+
+
+def test_state_that_is_not_returned_is_never_donated():
+  def reads_only(w, x):
+    return (x @ w).sum()
+  step = hbm_guard.guarded_jit(reads_only, state_argnums=0, capacity="1KiB",
+                               report_dir="/tmp/hg")
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    step(W, X)
+  assert all(a.plan.donate_argnums == () for a in step.attempts)
+
+
+def test_exhausted_ladder_raises_with_every_attempt_and_a_report(tmp_path):
+  step = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity="1MiB",
+                               report_dir=str(tmp_path))
+  with pytest.raises(jax.errors.JaxRuntimeError) as info:
+    step(W, X)
+  err = info.value
+  assert isinstance(err, hbm_guard.LadderExhaustedError)
+  assert "\n" not in str(err) and err.report_path in str(err)
+  assert [a.outcome for a in err.attempts] == ["oom"] * len(err.attempts)
+  report = json.loads(open(err.report_path).read())
+  assert report["schema"] == "hbm_guard.report/1" and report["status"] == "exhausted"
+  assert len(report["attempts"]) == len(err.attempts) == 2  # plain, then + donate
+  assert report["next_steps"], "a person gets the diagnosis' advice"
+  assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_behaviour_rung_is_withheld_unless_allowed(tmp_path):
+  def step(w, x):
+    dtype = hbm_guard.compute_dtype(jnp.float32)
+
+    def loss(w):
+      h = x.astype(dtype)
+      for _ in range(3):
+        h = jnp.tanh(h @ w.astype(dtype))
+      return (h.astype(jnp.float32) ** 2).mean()
+    return jax.grad(loss)(w)
+
+  w, x = jnp.ones((256, 256)), jnp.ones((2048, 256))
+  plain = hbm_guard._src.guard.memory_of(jax.jit(step).lower(w, x).compile())
+  only_bf16 = [{"name": "bf16", "kind": "dtype", "class": "behaviour", "section": "S3.A",
+                "dtype": "bfloat16"}]
+  cap = plain["peak"] - plain["temp"] // 4
+  strict = hbm_guard.guarded_jit(step, capacity=cap, ladder=only_bf16, report_dir=str(tmp_path))
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    strict(w, x)
+  assert strict.attempts[0].skipped[0].reason.startswith("withheld")
+  report = json.loads(open(strict.report_path).read())
+  assert report["withheld_rungs"] == ["bf16"]
+  assert all(a.plan.compute_dtype is None for a in strict.attempts)  # never compiled
+
+
+def test_default_ladder_is_data_and_shares_names_with_diagnose():
+  names = [r.name for r in hbm_guard.load_ladder()]
+  for rung in (D.DONATE, D.LAYER_REMAT, D.MICROBATCH, D.OFFLOAD_OPTIMIZER, D.RESHARD_FSDP,
+               D.XLA_REMAT_PEAK_PRIORITY, D.XLA_REMAT_AGGRESSIVE, D.XLA_PRE_FUSION_REMAT,
+               D.BF16):
+    assert rung in names
+  classes = {r.name: r.semantic_class for r in hbm_guard.load_ladder()}
+  assert classes["bf16"] == "behaviour" and classes["donate"] == "exact"
+  with pytest.raises(hbm_guard.InvalidLadderError):
+    hbm_guard.load_ladder([{"name": "x", "kind": "teleport"}])
+  with pytest.raises(hbm_guard.InvalidLadderError):
+    hbm_guard.load_ladder([{"name": "x", "kind": "dtype", "class": "whatever"}])
+
+
+def test_microbatch_count_comes_from_the_numbers():
+  rec = R.E1000Record(kind=R.COMPILE_HBM, used_bytes=1100, capacity_bytes=1000)
+  # 100 fixed + 1000 temporaries at k=1: room 850 -> k >= 1000/850 -> 2 (divides 64).
+  assert L.microbatch_count(64, 1, rec, temp_bytes=1000)[0] == 2
+  rec = R.E1000Record(kind=R.COMPILE_HBM, used_bytes=4100, capacity_bytes=1000)
+  # 4000 temporaries: k >= 4000/850 = 4.7 -> 5, 6, 7 do not divide 64; 8 does.
+  assert L.microbatch_count(64, 1, rec, temp_bytes=4000)[0] == 8
+  # The rest of the step alone is over capacity: no split helps.
+  rec = R.E1000Record(kind=R.COMPILE_HBM, used_bytes=3000, capacity_bytes=1000)
+  assert L.microbatch_count(64, 1, rec, temp_bytes=100)[0] is None
+  assert L.microbatch_count(7, 7, rec, temp_bytes=2900)[0] is None  # splits no further
+
+
+@flagsaver.flagsaver(hbm_guard_auto_fallback=True, hbm_guard_max_class="numerics",
+                     hbm_guard_capacity="16GiB", hbm_guard_target=None)
+def test_flags_feed_guard_options():
+  from hbm_guard import flags as hbm_flags
+  opts = hbm_flags.guard_options()
+  assert opts["max_class"] == "numerics" and opts["capacity"] == "16GiB"
+  step = hbm_guard.guarded_jit(sgd_step, **opts)
+  step(W, X)
+  assert step.plan == hbm_guard.Plan()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _parse_flags():
+  from absl import flags
+  from hbm_guard import flags as _  # noqa: F401  registers --hbm_guard_*
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
