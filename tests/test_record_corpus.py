@@ -287,3 +287,12 @@ def test_parse_size_units_are_binary():
   assert R.parse_size("14.30GiB") == round(14.30 * 2**30)
   assert R.parse_size("-2.55G") == -round(2.55 * 2**30)
   assert R.parse_size("unknown") is None
+
+
+def test_big_log_with_false_anchors_before_the_message():
+  noise = "I1130 10:00:00.000000 1 data.py:7] shard size: 12 files, largest program ok\n"
+  text = noise * 90000 + body("025_notes-e1000-prefixed-single-line-681M.txt") + noise * 1000
+  assert len(text) > 4 << 20  # the large-input path
+  rec = hbm_guard.parse(text)
+  assert (rec.kind, rec.used_bytes, rec.exceeded_bytes) == (R.COMPILE_HBM, G(31.91), M(681.08))
+  assert hbm_guard.parse(noise * 90000) is None

@@ -480,6 +480,31 @@ def _as_text(x: Any) -> str | None:
   return str(x)
 
 
+# Phrases one of which every message above contains; big logs are searched for these with
+# str.find (fast) and only a window around each is parsed.
+_ANCHORS = ("out of memory", "attempting to reserve", "attempting to allocate",
+            "failed to allocate request", "aborting compilation early", "hbm usage",
+            "hbm requirement", "largest program", "size: ")
+_BIG = 4 << 20
+_WINDOW_BEFORE, _WINDOW_AFTER = 64 << 10, 4 << 20
+
+
+def _parse_big(text: str) -> E1000Record | None:
+  lower = text.lower()
+  pos = 0
+  while True:
+    hits = [p for a in _ANCHORS if (p := lower.find(a, pos)) >= 0]
+    if not hits:
+      return None
+    first = min(hits)
+    start = max(0, first - _WINDOW_BEFORE)
+    start = text.rfind("\n", 0, start) + 1 if start else 0
+    rec = _parse_text(text[start:first + _WINDOW_AFTER])
+    if rec is not None:
+      return rec
+    pos = first + _WINDOW_AFTER - _WINDOW_BEFORE
+
+
 def parse(x: Any) -> E1000Record | None:
   """Parses an XLA out-of-memory error into an `E1000Record`; None if there is none.
 
@@ -490,6 +515,8 @@ def parse(x: Any) -> E1000Record | None:
     text = _as_text(x)
     if not text:
       return None
+    if len(text) > _BIG:
+      return _parse_big(text)
     return _parse_text(text)
   except Exception:  # A parser of error text must never add an error of its own.
     return None
