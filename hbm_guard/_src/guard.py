@@ -273,7 +273,7 @@ class GuardedFunction:
         plan_reads=frozenset(scope.reads if scope else ()),
         state_argnums=tuple(replaced), state_bytes=state_bytes,
         batch_size=(scope.facts.get("batch_size") if scope else None),
-        has_host_memory=has_host)
+        has_host_memory=has_host, can_reshard=self._target is not None)
 
   def _fit(self, key, args, kwargs):
     """Climbs the ladder for one input signature; installs the plan that fits."""

@@ -94,6 +94,7 @@ class StepFacts:
   state_bytes: int  # bytes of those arguments
   batch_size: int | None  # as a plan-aware helper saw it
   has_host_memory: bool = False
+  can_reshard: bool = False  # resharding is wired for target= compiles
 
   def reads(self, field: str) -> bool:
     return "*" in self.plan_reads or field in self.plan_reads
@@ -121,6 +122,8 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -
   if rung.kind == "reshard":
     if facts.num_devices < 2:
       return f"needs several devices; {facts.num_devices} present"
+    if not facts.can_reshard:
+      return "resharding local devices is not implemented yet; use target= or in_shardings"
     if not facts.state_argnums:
       return "no state argument to shard (pass state_argnums=...)"
     if plan.shard_state:
