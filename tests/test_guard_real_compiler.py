@@ -18,7 +18,8 @@ def test_flax_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_d
   losses, step = train.train(cfg, target="v5e:1x1", capacity="96MiB", max_class="numerics",
                              report_dir=str(tmp_path))
   first, last = step.attempts[0], step.attempts[-1]
-  assert first.outcome == "oom" and first.record.error_code == "E1000"
+  assert first.outcome == "oom"
+  assert first.record.error_code == ("E1000" if "E1000:" in first.record.raw else None)
   assert first.record.kind in (R.COMPILE_HBM, R.COMPILE_HBM_EARLY)
   assert first.record.capacity_bytes == 96 * MiB
   assert last.outcome == "fits" and last.memory["peak"] <= 96 * MiB
@@ -42,7 +43,7 @@ def test_resharding_makes_a_replicated_state_fit_a_4_chip_target(tmp_path, v5e_d
                                capacity="12MiB", report_dir=str(tmp_path))
   out = step(w, x)
   assert step.attempts[0].outcome == "oom"
-  assert step.attempts[0].record.error_code == "E1000"
+  assert step.attempts[0].record.kind in (R.COMPILE_HBM, R.COMPILE_HBM_EARLY)
   assert step.plan.shard_state and "reshard_fsdp" in step.plan.rungs
   final = step.attempts[-1].memory
   # The compiler's figure: each chip now holds a quarter of the state as argument.
@@ -60,4 +61,6 @@ def test_exhausted_on_the_real_compiler_chains_its_error(tmp_path, v5e_devices):
   assert "RESOURCE_EXHAUSTED" in str(info.value.__cause__)
   attempts = info.value.attempts
   assert len(attempts) >= 3 and all(a.outcome == "oom" for a in attempts)
-  assert all(a.record.error_code == "E1000" for a in attempts)
+  # Newer libtpu prefixes "E1000: CompileTimeHbmOom:"; older releases omit the code.
+  assert all(a.record.error_code == ("E1000" if "E1000:" in a.record.raw else None)
+             and a.record.is_compile_time for a in attempts)

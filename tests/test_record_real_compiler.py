@@ -42,10 +42,11 @@ def test_early_form_from_the_compiler(lowered):
   assert "RESOURCE_EXHAUSTED" in str(err)
   rec = hbm_guard.parse(err)
   assert rec.kind == R.COMPILE_HBM_EARLY
-  assert rec.error_code == "E1000"
+  # Newer libtpu prefixes "E1000: CompileTimeHbmOom:" (and names the module); older omit.
+  assert rec.error_code == ("E1000" if "E1000:" in str(err) else None)
   assert rec.capacity_bytes == 1 * MiB
   assert rec.temp_bytes > rec.capacity_bytes
-  assert rec.hlo_module == "jit__mlp_grad"
+  assert rec.hlo_module == ("jit__mlp_grad" if "HLO module" in str(err) else None)
   assert hbm_guard.diagnose(rec).scenario == "S3"
 
 
@@ -53,9 +54,10 @@ def test_long_form_from_the_compiler(lowered):
   early = hbm_guard.parse(_compile_error(lowered, 1))
   # A budget that passes the early check on temporaries but not buffer assignment.
   budget = math.ceil(early.temp_bytes / MiB)
-  rec = hbm_guard.parse(_compile_error(lowered, budget))
+  err = _compile_error(lowered, budget)
+  rec = hbm_guard.parse(err)
   assert rec.kind == R.COMPILE_HBM
-  assert rec.error_code == "E1000"
+  assert rec.error_code == ("E1000" if "E1000:" in str(err) else None)
   assert rec.capacity_bytes == budget * MiB
   assert rec.used_bytes > rec.capacity_bytes
   # Arguments as the compiler listed them: w 1 MiB and x 8 MiB, f32.
