@@ -160,10 +160,9 @@ class GuardedFunction:
                            else tuple(state_argnums))
     self._report_dir = report_dir
     self._auto_fallback = auto_fallback
-    self._jit_kwargs = dict(jit_kwargs)
-    user_donate = jit_kwargs.pop("donate_argnums", ())
+    user_donate = jit_kwargs.pop("donate_argnums", None) or ()
     self._user_donate = (user_donate,) if isinstance(user_donate, int) else tuple(user_donate)
-    self._jit_kwargs.pop("donate_argnums", None)
+    self._jit_kwargs = dict(jit_kwargs)  # donation is merged per plan in _make_jit
     self.plan = plan_lib.Plan()
     self.attempts: list[Attempt] = []
     self.report_path: str | None = None
@@ -243,13 +242,13 @@ class GuardedFunction:
   def _compile(self, plan: plan_lib.Plan, args, kwargs):
     """Compiles under `plan`: (jit object for local calls or None, memory, scope)."""
     if self._target is not None:
-        jitted = self._make_jit(plan, local=False, strict=False)
-        targs, tkw = self._target_args(plan, args, kwargs)
-        options = dict(plan.compiler_options)
-        if self._capacity is not None:
-          options["xla_tpu_max_hbm_size_mib"] = max(1, self._capacity // MiB)
-        compiled = jitted.lower(*targs, **tkw).compile(options)
-        return None, memory_of(compiled), self._last_scope
+      jitted = self._make_jit(plan, local=False, strict=False)
+      targs, tkw = self._target_args(plan, args, kwargs)
+      options = dict(plan.compiler_options)
+      if self._capacity is not None:
+        options["xla_tpu_max_hbm_size_mib"] = max(1, self._capacity // MiB)
+      compiled = jitted.lower(*targs, **tkw).compile(options)
+      return None, memory_of(compiled), self._last_scope
     jitted = self._make_jit(plan, local=True, strict=True)
     compiled = jitted.lower(*args, **kwargs).compile()
     return jitted, memory_of(compiled), self._last_scope
