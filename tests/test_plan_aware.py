@@ -92,3 +92,36 @@ def test_guard_climbs_to_microbatching_on_cpu_and_training_is_unchanged(tmp_path
   assert guarded.plan.microbatches > 1 and 512 % guarded.plan.microbatches == 0
   assert guarded.attempts[-1].memory["temp"] < guarded.attempts[0].memory["temp"]
   np.testing.assert_allclose(wg, wp, rtol=1e-5)
+
+
+def test_nnx_step_with_remat_and_microbatches_matches_the_plain_step():
+  import optax
+  from flax import nnx
+  from hbm_guard.integrations import flax as hg_flax
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(16, 64, rngs=rngs)
+      self.l2 = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+      block = hg_flax.remat(lambda layer, h: jnp.tanh(layer(h)))  # per-layer remat by plan
+      return self.l2(block(self.l1, x))
+
+  graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+  tx = optax.adam(1e-2)
+  step = hg_flax.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), tx,
+                                graphdef)
+  state = (params, tx.init(params))
+  batch = {"x": jax.random.normal(jax.random.key(0), (32, 16)),
+           "y": jax.random.normal(jax.random.key(1), (32, 16))}
+  plain, _ = _compiled(step, hbm_guard.Plan(), state, batch)
+  planned, scope = _compiled(
+      step, hbm_guard.Plan(microbatches=4, remat_policy="nothing_saveable"), state, batch)
+  assert {"microbatches", "remat_policy"} <= scope.reads
+  s1 = s2 = state
+  for _ in range(10):
+    s1, m1 = plain(s1, batch)
+    s2, m2 = planned(s2, batch)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), s2, s1)
