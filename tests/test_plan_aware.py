@@ -125,3 +125,31 @@ def test_nnx_step_with_remat_and_microbatches_matches_the_plain_step():
     s2, m2 = planned(s2, batch)
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), s2, s1)
+
+
+def test_linen_remat_inside_nn_scan_follows_the_plan():
+  import flax.linen as nn
+  from hbm_guard.integrations import flax as hg_flax
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + jnp.tanh(nn.Dense(32)(x)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      layers = nn.scan(hg_flax.remat(Block), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=3)
+      return layers()(x, None)[0]
+
+  model, x = Model(), jnp.ones((8, 32))
+  params = model.init(jax.random.key(0), x)
+
+  def grads(p):
+    return jax.grad(lambda p: (model.apply(p, x) ** 2).mean())(p)
+  plain, _ = _compiled(grads, hbm_guard.Plan(), params)
+  remat, scope = _compiled(grads, hbm_guard.Plan(remat_policy="nothing_saveable"), params)
+  assert "remat_policy" in scope.reads
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), remat(params),
+               plain(params))
