@@ -18,7 +18,9 @@ from hbm_guard._src.guard import GuardedFunction
 from hbm_guard._src.guard import guarded_jit
 from hbm_guard._src.helpers import checkpoint
 from hbm_guard._src.helpers import compute_dtype
+from hbm_guard._src.helpers import load_offloaded
 from hbm_guard._src.helpers import remat_policy
+from hbm_guard._src.helpers import store_offloaded
 from hbm_guard._src.helpers import value_and_grad
 from hbm_guard._src.ladder import Rung
 from hbm_guard._src.ladder import load_ladder
@@ -52,8 +54,10 @@ __all__ = (
     "format_bytes",
     "guarded_jit",
     "load_ladder",
+    "load_offloaded",
     "parse",
     "parse_size",
     "remat_policy",
+    "store_offloaded",
     "value_and_grad",
 )

@@ -43,7 +43,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
 
   `loss_fn(params, batch, apply_fn)` returns the mean loss over the batch (and aux when
   `has_aux`). Gradients come from `hbm_guard.value_and_grad`, so the microbatch rung
-  applies; remat and dtype apply inside the model through `remat` and `compute_dtype`.
+  applies; the optimizer state goes through `load_offloaded` / `store_offloaded`, so the
+  offload rung applies; remat and dtype apply inside the model through `remat` and
+  `compute_dtype`.
   """
   def step(state, batch):
     def loss(params, batch):
@@ -51,7 +53,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux)(
         state.params, batch)
     value, aux = out if has_aux else (out, None)
+    # Optimizer state comes to the device only for the update when the plan offloads it.
+    state = state.replace(opt_state=helpers.load_offloaded(state.opt_state))
     state = state.apply_gradients(grads=grads)
+    state = state.replace(opt_state=helpers.store_offloaded(state.opt_state))
     metrics = {"loss": value}
     if aux is not None:
       metrics["aux"] = aux

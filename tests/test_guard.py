@@ -195,3 +195,23 @@ def _parse_flags():
   from hbm_guard import flags as _  # noqa: F401  registers --hbm_guard_*
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
+
+
+def test_local_resharding_over_four_devices_by_the_compilers_numbers(tmp_path):
+  """In a subprocess: the device count is fixed when jax starts."""
+  import subprocess
+  import sys
+  env = dict(os.environ, HG_REPORT_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "tests.multidevice_reshard_main"],
+                        capture_output=True, text=True, env=env, check=False,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert got["devices"] == 4
+  assert got["attempts"] == ["oom", "fits"]  # one compile to find it, none wasted
+  assert got["plan"]["shard_state"] and got["plan"]["donate_argnums"] == [0]
+  # Each device holds a quarter of the 4 MiB state, by the compiler's own figure.
+  assert got["final_argument"] * 3 < got["plain_argument"]
+  assert got["final_peak"] <= got["capacity"]
+  assert got["w_spec"] == "P('fsdp', None)"
+  assert got["same_1"] and got["same_2"]

@@ -78,6 +78,8 @@ def memory_of(compiled) -> dict[str, int] | None:
   m = {k: int(getattr(ma, k + "_size_in_bytes", 0) or 0)
        for k in ("argument", "output", "alias", "temp", "generated_code")}
   m["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"] + m["generated_code"]
+  for k in ("argument", "output", "temp"):  # host memory (offloaded), not in the peak
+    m["host_" + k] = int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0)
   return m
 
 
@@ -116,11 +118,27 @@ def _avals_equal(a, b) -> bool:
   return ta == tb and all(_leaf_key(x)[:2] == _leaf_key(y)[:2] for x, y in zip(la, lb))
 
 
-def _replaced(args, out, state_argnums) -> tuple[int, ...]:
-  """State arguments that the step returns anew with the same structure: safe to donate."""
-  outs = [out] + (list(out) if isinstance(out, (tuple, list)) else [])
-  return tuple(i for i in state_argnums if i < len(args)
-               and any(_avals_equal(args[i], o) for o in outs))
+def _replaced(args, out, state_argnums) -> tuple[tuple[int, int | None], ...]:
+  """State arguments the step returns anew with the same structure: safe to donate.
+
+  Returns (argnum, output index) pairs; the index is None when the whole output is it.
+  """
+  found = []
+  for i in state_argnums:
+    if i >= len(args):
+      continue
+    if _avals_equal(args[i], out):
+      found.append((i, None))
+    elif isinstance(out, (tuple, list)):
+      j = next((j for j, o in enumerate(out) if _avals_equal(args[i], o)), None)
+      if j is not None:
+        found.append((i, j))
+  return tuple(found)
+
+
+def default_offload_filter(path: str) -> bool:
+  """Which state leaves are optimizer state, by their key path (flax TrainState, optax)."""
+  return "opt_state" in path
 
 
 def _nbytes(tree) -> int:
@@ -144,7 +162,7 @@ class GuardedFunction:
 
   def __init__(self, fun: Callable, *, capacity=None, target=None, max_class="exact",
                max_attempts=8, ladder=None, state_argnums=(), report_dir=None,
-               auto_fallback=True, **jit_kwargs):
+               auto_fallback=True, offload_filter=default_offload_filter, **jit_kwargs):
     if max_class not in ladder_lib.CLASSES:
       raise ValueError(f"max_class must be one of {ladder_lib.CLASSES}, not {max_class!r}")
     functools.update_wrapper(self, fun)
@@ -158,6 +176,10 @@ class GuardedFunction:
     self._rungs = ladder_lib.load_ladder(ladder)
     self._state_argnums = ((state_argnums,) if isinstance(state_argnums, int)
                            else tuple(state_argnums))
+    self._offload_filter = offload_filter
+    self._replaced: tuple[tuple[int, int | None], ...] = ()  # learnt at the first trace
+    self._layout: dict[int, Any] | None = None  # planned shardings of state arguments
+    self._n_outputs: int | None = None
     self._report_dir = report_dir
     self._auto_fallback = auto_fallback
     user_donate = jit_kwargs.pop("donate_argnums", None) or ()
@@ -184,6 +206,7 @@ class GuardedFunction:
       with plan_lib.plan_scope(plan) as scope:
         out = fun(*args, **kwargs)
       scope.facts["replaced"] = _replaced(args, out, state_argnums)
+      scope.facts["n_outputs"] = len(out) if isinstance(out, (tuple, list)) else None
       scope.facts["signature"] = key
       self._last_scope = scope
       return out
@@ -197,40 +220,79 @@ class GuardedFunction:
     return plan
 
   def _make_jit(self, plan: plan_lib.Plan, *, local: bool, strict: bool = True,
-                in_shardings=None):
+                layout: dict[int, Any] | None = None, nargs: int = 0):
     kw = dict(self._jit_kwargs)
     donate = tuple(sorted(set(self._user_donate) | set(plan.donate_argnums)))
     if donate:
       kw["donate_argnums"] = donate
     if plan.compiler_options and (not local or jax.default_backend() == "tpu"):
       kw["compiler_options"] = dict(plan.compiler_options)
-    if in_shardings is not None:
-      kw["in_shardings"] = in_shardings
+    if layout:
+      static = set(self._static_argnums(nargs))
+      kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
+      kw["out_shardings"] = self._out_shardings(layout)
     return jax.jit(self._closure(plan, strict), **kw)
 
-  def _target_args(self, plan: plan_lib.Plan, args, kwargs):
-    """Abstract arguments on the target's devices: replicated, or FSDP for state."""
-    devices = self._target.devices()
-    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
-    static = set(self._static_argnums(len(args)))
-    n = len(devices)
+  def _out_shardings(self, layout):
+    whole = [i for i, j in self._replaced if j is None and i in layout]
+    if whole:
+      return layout[whole[0]]
+    n_out = self._n_outputs or 0
+    by_out = {j: layout[i] for i, j in self._replaced if i in layout}
+    return tuple(by_out.get(j) for j in range(n_out))
 
-    def abstract(x, spec):
-      weak = not hasattr(x, "dtype")  # a Python scalar traces weakly typed, as under jit
-      return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if weak else x.dtype,
-                                  sharding=NamedSharding(mesh, spec), weak_type=weak)
+  def _plan_layout(self, plan: plan_lib.Plan, args, devices=None) -> dict[int, Any] | None:
+    """Shardings for the state arguments under `plan`: FSDP, host offload, or None."""
+    if not (plan.shard_state or plan.offload_optimizer) or not self._replaced:
+      return None
+    if devices is None:
+      devices = self._target.devices() if self._target is not None else jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    n = len(devices) if plan.shard_state else 1
+
+    def leaf(path, x):
+      host = plan.offload_optimizer and self._offload_filter(jax.tree_util.keystr(path))
+      spec = _fsdp_spec(np.shape(x), n) if plan.shard_state else P()
+      return NamedSharding(mesh, spec, memory_kind="pinned_host" if host else "device")
+
+    return {i: jax.tree_util.tree_map_with_path(leaf, args[i]) for i, _ in self._replaced}
+
+  def _abstract_args(self, args, kwargs, layout):
+    """Arguments to lower with: state as planned; on a target, the rest replicated there."""
+    static = set(self._static_argnums(len(args)))
+    static_names = set(self._jit_kwargs.get("static_argnames") or ())
+    mesh = None
+    if self._target is not None:
+      mesh = jax.sharding.Mesh(np.array(self._target.devices()), ("fsdp",))
+
+    def abstract(x, sharding):
+      scalar = not hasattr(x, "dtype")  # a Python scalar traces weakly typed, as under jit
+      weak = scalar or bool(getattr(x, "weak_type", False))
+      return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if scalar else x.dtype,
+                                  sharding=sharding, weak_type=weak)
+
+    def other(x):
+      return abstract(x, NamedSharding(mesh, P())) if mesh is not None else x
 
     out = []
     for i, a in enumerate(args):
       if i in static:
         out.append(a)
-      elif plan.shard_state and i in self._state_argnums:
-        out.append(jax.tree.map(lambda x: abstract(x, _fsdp_spec(np.shape(x), n)), a))
+      elif layout and i in layout:
+        out.append(jax.tree.map(abstract, a, layout[i]))
       else:
-        out.append(jax.tree.map(lambda x: abstract(x, P()), a))
-    kw = {k: (v if k in (self._jit_kwargs.get("static_argnames") or ())
-              else jax.tree.map(lambda x: abstract(x, P()), v)) for k, v in kwargs.items()}
+        out.append(jax.tree.map(other, a))
+    kw = {k: (v if k in static_names else jax.tree.map(other, v)) for k, v in kwargs.items()}
     return tuple(out), kw
+
+  def _place(self, args):
+    """Moves the caller's state arguments to the planned layout (a no-op once there)."""
+    if not self._layout:
+      return args
+    args = list(args)
+    for i, sharding in self._layout.items():
+      args[i] = jax.device_put(args[i], sharding)
+    return tuple(args)
 
   def _static_argnums(self, nargs):
     s = self._jit_kwargs.get("static_argnums") or ()
@@ -240,26 +302,33 @@ class GuardedFunction:
   # -- compiling ------------------------------------------------------------------------
 
   def _compile(self, plan: plan_lib.Plan, args, kwargs):
-    """Compiles under `plan`: (jit object for local calls or None, memory, scope)."""
+    """Compiles under `plan`: (jit object for local calls or None, memory, scope, layout)."""
+    layout = self._plan_layout(plan, args)
     if self._target is not None:
-      jitted = self._make_jit(plan, local=False, strict=False)
-      targs, tkw = self._target_args(plan, args, kwargs)
+      jitted = self._make_jit(plan, local=False, strict=False, layout=layout, nargs=len(args))
+      targs, tkw = self._abstract_args(args, kwargs, layout)
       options = dict(plan.compiler_options)
       if self._capacity is not None:
         options["xla_tpu_max_hbm_size_mib"] = max(1, self._capacity // MiB)
       compiled = jitted.lower(*targs, **tkw).compile(options)
-      return None, memory_of(compiled), self._last_scope
-    jitted = self._make_jit(plan, local=True, strict=True)
-    compiled = jitted.lower(*args, **kwargs).compile()
-    return jitted, memory_of(compiled), self._last_scope
+      return None, memory_of(compiled), self._last_scope, layout
+    jitted = self._make_jit(plan, local=True, strict=True, layout=layout, nargs=len(args))
+    largs, lkw = self._abstract_args(args, kwargs, layout) if layout else (args, kwargs)
+    compiled = jitted.lower(*largs, **lkw).compile()
+    return jitted, memory_of(compiled), self._last_scope, layout
 
   def _facts(self, scope, args) -> ladder_lib.StepFacts:
     if self._target is not None:
       platform, ndev = "tpu", len(self._target.devices())
     else:
       platform, ndev = jax.default_backend(), jax.device_count()
-    replaced = scope.facts.get("replaced", ()) if scope else ()
+    replaced = tuple(i for i, _ in (scope.facts.get("replaced", ()) if scope else ()))
     state_bytes = sum(_nbytes(args[i]) for i in replaced)
+    offload_bytes = 0
+    for i in replaced:
+      for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+        if self._offload_filter(jax.tree_util.keystr(path)):
+          offload_bytes += _nbytes(leaf)
     has_host = False
     try:
       dev = (self._target.devices()[0] if self._target else jax.devices()[0])
@@ -270,9 +339,11 @@ class GuardedFunction:
     return ladder_lib.StepFacts(
         platform=platform, num_devices=ndev,
         plan_reads=frozenset(scope.reads if scope else ()),
-        state_argnums=tuple(replaced), state_bytes=state_bytes,
+        state_argnums=replaced, state_bytes=state_bytes,
         batch_size=(scope.facts.get("batch_size") if scope else None),
-        has_host_memory=has_host, can_reshard=self._target is not None)
+        offload_bytes=offload_bytes,
+        has_host_memory=has_host,
+        can_reshard="in_shardings" not in self._jit_kwargs)
 
   def _fit(self, key, args, kwargs):
     """Climbs the ladder for one input signature; installs the plan that fits."""
@@ -286,7 +357,7 @@ class GuardedFunction:
       self._last_scope = None
       t0 = time.perf_counter()
       try:
-        jitted, memory, scope = self._compile(plan, args, kwargs)
+        jitted, memory, scope, layout = self._compile(plan, args, kwargs)
         rec = None
         if (memory is not None and self._capacity is not None
             and memory["peak"] > self._capacity):
@@ -298,11 +369,14 @@ class GuardedFunction:
           if rec is not None:
             self._write_report(name, "failed", note=str(rec.kind))
           raise
-        jitted, memory, scope, last_error = None, None, self._last_scope, e
+        jitted, memory, scope, layout, last_error = None, None, self._last_scope, None, e
       except Exception:
         self._verified.discard(key)
         raise
       seconds = time.perf_counter() - t0
+      if scope is not None and not self._replaced:
+        self._replaced = scope.facts.get("replaced", ())
+        self._n_outputs = scope.facts.get("n_outputs")
       if rec is None:  # fits
         self.attempts.append(Attempt(number, plan, "fits", seconds, memory=memory))
         break
@@ -334,10 +408,13 @@ class GuardedFunction:
       plan = nxt
 
     if self._target is not None:  # fits the target: now build it for the local backend
-      jitted = self._make_jit(self._local_plan(plan), local=True, strict=True)
+      local = self._local_plan(plan)
+      layout = self._plan_layout(local, args, devices=jax.devices())
+      jitted = self._make_jit(local, local=True, strict=True, layout=layout, nargs=len(args))
     self._sync_across_hosts(plan)
     self.plan = plan
     self._jitted = jitted
+    self._layout = layout
     if len(self.attempts) - started > 1:
       log.warning("hbm_guard: %s fits with plan %r after %d compiles", name, plan.describe(),
                   len(self.attempts) - started)
@@ -373,8 +450,14 @@ class GuardedFunction:
       return self._jitted(*args, **kwargs)
     except _NewSignature as e:
       key = e.key
+    except ValueError:
+      # State the caller holds in another layout than the plan's (sharded, on host): move
+      # it once; the step returns it in the planned layout, so later calls are direct.
+      if not self._layout:
+        raise
+      return self._jitted(*self._place(args), **kwargs)
     self._fit(key, args, kwargs)
-    return self._jitted(*args, **kwargs)
+    return self._jitted(*self._place(args), **kwargs)
 
   def fit(self, *args, **kwargs) -> plan_lib.Plan:
     """Finds (and installs) the plan that fits these arguments, without running the step."""

@@ -94,7 +94,8 @@ class StepFacts:
   state_bytes: int  # bytes of those arguments
   batch_size: int | None  # as a plan-aware helper saw it
   has_host_memory: bool = False
-  can_reshard: bool = False  # resharding is wired for target= compiles
+  can_reshard: bool = True  # False when the user fixed in_shardings
+  offload_bytes: int = 0  # state bytes the offload filter selects (optimizer state)
 
   def reads(self, field: str) -> bool:
     return "*" in self.plan_reads or field in self.plan_reads
@@ -123,7 +124,7 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -
     if facts.num_devices < 2:
       return f"needs several devices; {facts.num_devices} present"
     if not facts.can_reshard:
-      return "resharding local devices is not implemented yet; use target= or in_shardings"
+      return "in_shardings were given to guarded_jit: the guard does not override them"
     if not facts.state_argnums:
       return "no state argument to shard (pass state_argnums=...)"
     if plan.shard_state:
@@ -138,6 +139,10 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -
   if rung.kind == "offload":
     if not facts.has_host_memory:
       return "no host memory space on this backend"
+    if not facts.offload_bytes:
+      return "no optimizer state among the state arguments (see offload_filter)"
+    if not facts.can_reshard:
+      return "in_shardings were given to guarded_jit: the guard does not override them"
     if plan.offload_optimizer:
       return "already offloaded"
   if rung.kind == "dtype" and plan.compute_dtype == rung.dtype:
@@ -189,6 +194,8 @@ def saving_bound(rung: Rung, facts: StepFacts) -> int | None:
     return facts.state_bytes
   if rung.kind == "reshard":
     return facts.state_bytes - facts.state_bytes // max(1, facts.num_devices)
+  if rung.kind == "offload":
+    return facts.offload_bytes
   return None
 
 
