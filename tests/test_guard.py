@@ -215,3 +215,16 @@ def test_local_resharding_over_four_devices_by_the_compilers_numbers(tmp_path):
   assert got["final_peak"] <= got["capacity"]
   assert got["w_spec"] == "P('fsdp', None)"
   assert got["same_1"] and got["same_2"]
+
+
+def test_microbatch_count_fits_a_line_through_earlier_attempts():
+  M = 2**20
+  # Measured 100 MiB at k=1 and 97.7 at k=2: T = 4.6, F = 95.4 -- more than 0.95 * 96 MiB
+  # on its own, so no microbatch count can fit (the guard moves on instead of trying).
+  rec = R.E1000Record(kind=R.BUDGET, used_bytes=round(97.7 * M), capacity_bytes=96 * M)
+  k, why = L.microbatch_count(64, 2, rec, temp_bytes=None, measured=[(1, 100 * M)])
+  assert k is None and "cannot close the gap" in why
+  # 100 at k=1, 60 at k=2: T = 80, F = 20; room 0.95 * 40 - 20 = 18 -> k >= 4.4 -> 8.
+  rec2 = R.E1000Record(kind=R.BUDGET, used_bytes=60 * M, capacity_bytes=40 * M)
+  k, why = L.microbatch_count(64, 2, rec2, temp_bytes=None, measured=[(1, 100 * M)])
+  assert k == 8 and "fitted" in why

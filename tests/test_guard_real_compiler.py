@@ -15,18 +15,21 @@ MiB = 2**20
 
 def test_flax_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_devices):
   cfg = train.Config(steps=2)
-  losses, step = train.train(cfg, target="v5e:1x1", capacity="96MiB", max_class="numerics",
+  # 200 MiB: E1000 for the plain step (about 680 MiB) and for remat saving dots (about
+  # 275 MiB), a fit with remat saving nothing. The example's own 96 MiB climbs further.
+  losses, step = train.train(cfg, target="v5e:1x1", capacity="200MiB", max_class="numerics",
                              report_dir=str(tmp_path))
   first, last = step.attempts[0], step.attempts[-1]
   assert first.outcome == "oom"
   assert first.record.error_code == ("E1000" if "E1000:" in first.record.raw else None)
   assert first.record.kind in (R.COMPILE_HBM, R.COMPILE_HBM_EARLY)
-  assert first.record.capacity_bytes == 96 * MiB
-  assert last.outcome == "fits" and last.memory["peak"] <= 96 * MiB
-  # Each rung's saving in the compiler's own figures: what each failed attempt needed
-  # falls, and the final plan is remat'd per layer.
-  needs = [a.record.required_bytes for a in step.attempts if a.record]
-  assert needs == sorted(needs, reverse=True) and needs[-1] < needs[0]
+  assert first.record.capacity_bytes == 200 * MiB
+  assert last.outcome == "fits" and last.memory["peak"] <= 200 * MiB
+  # What the rungs saved, in the compiler's own figures: per-layer remat cuts what the
+  # plain step needs by more than half, and the final plan is remat'd per layer.
+  need = {a.plan.remat_policy: a.record.required_bytes for a in step.attempts
+          if a.record and a.plan.microbatches == 1 and not a.plan.offload_optimizer}
+  assert need["dots_with_no_batch_dims_saveable"] < need[None] / 2
   assert step.plan.remat_policy is not None and 0 in step.plan.donate_argnums
   assert len(losses) == 2 and all(np.isfinite(losses))
 

@@ -1,4 +1,4 @@
-"""A Flax train step that does not fit a TPU v5e budget, and recovers under hbm_guard.
+"""A small Flax transformer whose train step does not fit a TPU v5e budget, and recovers.
 
 The step is compiled for the target with libtpu on this machine (no TPU needed), so the
 E1000 is the real compiler's; once a plan fits, the same step trains here on the CPU.
@@ -30,11 +30,16 @@ class Config:
 
 
 class Block(nn.Module):
+  """A pre-norm transformer block: self-attention, then an MLP, each residual."""
   width: int
+  heads: int = 4
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
+    h = nn.LayerNorm(dtype=self.dtype)(x)
+    h = nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(h, h)
+    x = x + h
     h = nn.LayerNorm(dtype=self.dtype)(x)
     h = nn.Dense(4 * self.width, dtype=self.dtype)(h)
     h = nn.gelu(h)
@@ -59,12 +64,13 @@ def loss_fn(params, batch, apply_fn):
   return jnp.mean((pred - batch["y"]) ** 2)
 
 
-def make_state(cfg: Config) -> train_state.TrainState:
+def make_state(cfg: Config, tx: optax.GradientTransformation | None = None
+               ) -> train_state.TrainState:
   model = Model(cfg.width, cfg.depth)
   x = jnp.zeros((1, cfg.seq, cfg.width))
   params = model.init(jax.random.key(cfg.seed), x)["params"]
   return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=optax.adam(cfg.learning_rate))
+                                       tx=tx or optax.adam(cfg.learning_rate))
 
 
 def make_batch(cfg: Config, step: int):

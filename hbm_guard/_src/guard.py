@@ -383,9 +383,11 @@ class GuardedFunction:
       self._verified.discard(key)
       diag = diagnose_lib.diagnose(rec)
       facts = self._facts(scope, args)
+      history = [(a.plan, a.record.required_bytes) for a in self.attempts[started:]
+                 if a.record is not None]
       nxt, skips = ladder_lib.next_plan(
           self._rungs, plan, facts, rec, self._max_class,
-          temp_bytes=(memory or {}).get("temp") or rec.temp_bytes)
+          temp_bytes=(memory or {}).get("temp") or rec.temp_bytes, history=history)
       self.attempts.append(Attempt(number, plan, "oom", seconds, rec, diag, memory,
                                    tuple(skips)))
       log.warning("hbm_guard: %s does not fit under plan %r (%s); %s", name, plan.describe(),

@@ -161,11 +161,13 @@ def _next_policy(rung: Rung, plan: plan_lib.Plan) -> str | None:
 
 
 def microbatch_count(batch_size: int | None, current: int, rec: record_lib.E1000Record,
-                     temp_bytes: int | None) -> tuple[int | None, str]:
+                     temp_bytes: int | None,
+                     measured: Sequence[tuple[int, int]] = ()) -> tuple[int | None, str]:
   """The fewest microbatches predicted to fit, dividing the batch; (None, why) if none.
 
-  Temporaries scale about linearly with the per-step batch, so with T temporaries now and
-  F the rest, k microbatches need about F + T * current / k.
+  Memory is modelled as need(k) = F + T / k: T the part that scales with the per-step
+  batch (activations), F the rest. With two measured (k, need) points from earlier
+  attempts, F and T come from them; otherwise T is the temporaries of this attempt.
   """
   if not batch_size:
     return None, "the batch size is unknown"
@@ -173,19 +175,29 @@ def microbatch_count(batch_size: int | None, current: int, rec: record_lib.E1000
   divisors = [k for k in range(current + 1, batch_size + 1) if batch_size % k == 0]
   if not divisors:
     return None, f"batch {batch_size} splits no further than {current} microbatches"
-  temps = temp_bytes if temp_bytes else (need if rec.kind == "compile_hbm_early" else None)
-  if need is None or have is None or not temps:
+  if need is None or have is None:
     return divisors[0], "no numbers to size the split: the next divisor"
-  fixed = max(0, need - temps)
+  points = sorted(set(measured) | {(current, need)})
+  if len(points) >= 2 and points[0][0] != points[-1][0]:
+    (k0, n0), (k1, n1) = points[0], points[-1]
+    scaling = (n0 - n1) / (1 / k0 - 1 / k1)  # T
+    fixed = n0 - scaling / k0  # F
+    how = f"fitted to attempts at k={k0} ({n0} bytes) and k={k1} ({n1} bytes)"
+  else:
+    temps = temp_bytes if temp_bytes else (need if rec.kind == "compile_hbm_early" else None)
+    if not temps:
+      return divisors[0], "no numbers to size the split: the next divisor"
+    scaling, fixed = temps * current, max(0, need - temps)
+    how = f"temporaries {temps} bytes at k={current}"
   room = HEADROOM * have - fixed
-  if room <= 0:
-    return None, (f"the rest of the step ({fixed} bytes) alone exceeds the capacity: "
-                  "microbatching cannot close the gap")
-  want = math.ceil(temps * current / room)
+  if room <= 0 or scaling <= 0:
+    return None, (f"the part that does not scale with the batch ({int(fixed)} bytes) alone "
+                  "exceeds the capacity: microbatching cannot close the gap")
+  want = math.ceil(scaling / room)
   for k in divisors:
     if k >= want:
-      return k, f"temporaries {temps} bytes at {current} -> about {temps * current // k} at {k}"
-  return divisors[-1], "even one example per microbatch may not fit; trying the most"
+      return k, f"{how}: predicted {int(fixed + scaling / k)} bytes at k={k}"
+  return divisors[-1], f"{how}: even the most microbatches may not fit; trying them"
 
 
 def saving_bound(rung: Rung, facts: StepFacts) -> int | None:
@@ -203,7 +215,8 @@ _FOLDABLE = ("donate", "reshard")  # free of compute cost: worth carrying along
 
 
 def apply(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, rec: record_lib.E1000Record,
-          temp_bytes: int | None) -> tuple[plan_lib.Plan | None, str]:
+          temp_bytes: int | None, measured: Sequence[tuple[int, int]] = ()
+          ) -> tuple[plan_lib.Plan | None, str]:
   """The plan one step up this rung, or (None, why not)."""
   if rung.kind == "donate":
     argnums = tuple(sorted(set(plan.donate_argnums) | set(facts.state_argnums)))
@@ -216,7 +229,7 @@ def apply(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, rec: record_lib.E10
   if rung.kind == "remat":
     return plan.added(rung.name, remat_policy=_next_policy(rung, plan)), ""
   if rung.kind == "microbatch":
-    k, why = microbatch_count(facts.batch_size, plan.microbatches, rec, temp_bytes)
+    k, why = microbatch_count(facts.batch_size, plan.microbatches, rec, temp_bytes, measured)
     if k is None:
       return None, why
     return plan.added(rung.name, microbatches=k), why
@@ -229,8 +242,17 @@ def apply(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, rec: record_lib.E10
 
 def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
               rec: record_lib.E1000Record, max_class: str, temp_bytes: int | None = None,
+              history: Sequence[tuple[plan_lib.Plan, int | None]] = (),
               ) -> tuple[plan_lib.Plan | None, list[Skip]]:
-  """The cheapest plan predicted to fit, from `plan` after it failed with `rec`."""
+  """The cheapest plan predicted to fit, from `plan` after it failed with `rec`.
+
+  `history` holds earlier (plan, bytes needed) of this climb: attempts that differ from
+  `plan` only in their microbatch count size the next count.
+  """
+  def same_but_k(p):
+    return dataclasses.replace(p, microbatches=1, rungs=()) == dataclasses.replace(
+        plan, microbatches=1, rungs=())
+  measured = [(p.microbatches, n) for p, n in history if n is not None and same_but_k(p)]
   gap = rec.shortfall_bytes
   skips: list[Skip] = []
   folded = 0
@@ -244,7 +266,7 @@ def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
         skips.append(Skip(rung.name, why))
       continue
     bound = saving_bound(rung, facts)
-    new, why = apply(rung, candidate, facts, rec, temp_bytes)
+    new, why = apply(rung, candidate, facts, rec, temp_bytes, measured)
     if new is None:
       skips.append(Skip(rung.name, why))
       continue
