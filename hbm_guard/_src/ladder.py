@@ -249,9 +249,10 @@ def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
   `history` holds earlier (plan, bytes needed) of this climb: attempts that differ from
   `plan` only in their microbatch count size the next count.
   """
-  def same_but_k(p):
-    return dataclasses.replace(p, microbatches=1, rungs=()) == dataclasses.replace(
-        plan, microbatches=1, rungs=())
+  def same_but_k(p):  # the same step but for the microbatch count (flags aside)
+    def core(q):
+      return dataclasses.replace(q, microbatches=1, rungs=(), compiler_options=())
+    return core(p) == core(plan)
   measured = [(p.microbatches, n) for p, n in history if n is not None and same_but_k(p)]
   gap = rec.shortfall_bytes
   skips: list[Skip] = []
