@@ -228,3 +228,21 @@ def test_microbatch_count_fits_a_line_through_earlier_attempts():
   rec2 = R.E1000Record(kind=R.BUDGET, used_bytes=60 * M, capacity_bytes=40 * M)
   k, why = L.microbatch_count(64, 2, rec2, temp_bytes=None, measured=[(1, 100 * M)])
   assert k == 8 and "fitted" in why
+
+
+def test_user_errors_keep_their_traceback_free_of_guard_frames():
+  import traceback
+
+  def bad(x):
+    return x @ jnp.ones((3, 3))
+
+  def frames(f):
+    try:
+      f(jnp.ones((4, 4)))
+    except TypeError as e:
+      return [fr.filename for fr in traceback.extract_tb(e.__traceback__)]
+    raise AssertionError("no error")
+
+  guarded = frames(hbm_guard.guarded_jit(bad))
+  assert not [f for f in guarded if "/hbm_guard/" in f]  # hidden like jax's own frames
+  assert [f for f in guarded if f == __file__]  # the user's frames stay

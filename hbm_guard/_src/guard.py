@@ -35,6 +35,14 @@ from hbm_guard._src import targets as targets_lib
 log = logging.getLogger("hbm_guard")
 MiB = 1 << 20
 
+try:  # Hide hbm_guard's frames from user tracebacks, as jax hides its own (equinox does too).
+  from jax._src import traceback_util  # pylint: disable=g-import-not-at-top
+  traceback_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
+  _api_boundary = traceback_util.api_boundary
+except (ImportError, AttributeError):  # a private API: without it, tracebacks are longer
+  def _api_boundary(fun):
+    return fun
+
 
 class _NewSignature(Exception):
   """Raised at trace time for an input signature the guard has not fitted yet."""
@@ -447,6 +455,7 @@ class GuardedFunction:
 
   # -- calling --------------------------------------------------------------------------
 
+  @_api_boundary
   def __call__(self, *args, **kwargs):
     try:
       return self._jitted(*args, **kwargs)

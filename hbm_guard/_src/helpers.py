@@ -22,10 +22,22 @@ from hbm_guard._src import plan as plan_lib
 _NO_REMAT = "everything_saveable"
 
 
-def remat_policy(prim, *args, **params) -> bool:
-  """A `jax.checkpoint` policy that follows the plan's `remat_policy` at trace time."""
+def remat_policy(prim, *args, **params):
+  """A `jax.checkpoint` policy that follows the plan's `remat_policy` at trace time.
+
+  Names are those of `jax.checkpoint_policies`; an "offload_*" name (e.g.
+  "offload_dot_with_no_batch_dims") saves to pinned host memory instead of recomputing.
+  """
   name = plan_lib.plan_value("remat_policy") or _NO_REMAT
-  return getattr(jax.checkpoint_policies, name)(prim, *args, **params)
+  return _policy(name)(prim, *args, **params)
+
+
+@functools.cache
+def _policy(name: str):
+  policy = getattr(jax.checkpoint_policies, name)
+  if name.startswith("offload_"):
+    return policy("device", "pinned_host")
+  return policy
 
 
 def checkpoint(fun: Callable, **kwargs) -> Callable:

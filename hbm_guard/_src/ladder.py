@@ -134,7 +134,7 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -
       return f"XLA:TPU flags; compiling for {facts.platform}"
     if all(dict(plan.compiler_options).get(k) == v for k, v in rung.options):
       return "options already set"
-  if rung.kind == "remat" and _next_policy(rung, plan) is None:
+  if rung.kind == "remat" and _next_policy(rung, plan, facts) is None:
     return "every remat policy already tried"
   if rung.kind == "offload":
     if not facts.has_host_memory:
@@ -150,10 +150,13 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -
   return None
 
 
-def _next_policy(rung: Rung, plan: plan_lib.Plan) -> str | None:
-  policies = rung.policies or ("nothing_saveable",)
+def _next_policy(rung: Rung, plan: plan_lib.Plan, facts: StepFacts | None = None
+                 ) -> str | None:
+  """The next remat policy of the rung; offloading ones only where there is host memory."""
+  policies = [p for p in (rung.policies or ("nothing_saveable",))
+              if not p.startswith("offload_") or (facts is not None and facts.has_host_memory)]
   if plan.remat_policy is None:
-    return policies[0]
+    return policies[0] if policies else None
   if plan.remat_policy in policies:
     i = policies.index(plan.remat_policy)
     return policies[i + 1] if i + 1 < len(policies) else None
@@ -227,7 +230,7 @@ def apply(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, rec: record_lib.E10
     return dataclasses.replace(plan.with_options(dict(rung.options)),
                                rungs=plan.rungs + (rung.name,)), ""
   if rung.kind == "remat":
-    return plan.added(rung.name, remat_policy=_next_policy(rung, plan)), ""
+    return plan.added(rung.name, remat_policy=_next_policy(rung, plan, facts)), ""
   if rung.kind == "microbatch":
     k, why = microbatch_count(facts.batch_size, plan.microbatches, rec, temp_bytes, measured)
     if k is None:
