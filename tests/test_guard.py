@@ -246,3 +246,16 @@ def test_user_errors_keep_their_traceback_free_of_guard_frames():
   guarded = frames(hbm_guard.guarded_jit(bad))
   assert not [f for f in guarded if "/hbm_guard/" in f]  # hidden like jax's own frames
   assert [f for f in guarded if f == __file__]  # the user's frames stay
+
+
+def test_fit_climbs_without_running_and_the_next_call_reuses_it(tmp_path):
+  plain = hbm_guard._src.guard.memory_of(jax.jit(sgd_step).lower(W, X).compile())
+  step = hbm_guard.guarded_jit(sgd_step, state_argnums=0,
+                               capacity=plain["peak"] - W.nbytes // 2, report_dir=str(tmp_path))
+  plan = step.fit(W, X)
+  assert plan.donate_argnums == (0,) and len(step.attempts) == 2
+  assert not W.is_deleted()  # nothing ran, nothing was donated
+  out = step(jnp.array(W), X)
+  assert len(step.attempts) == 2  # the call used the fitted executable
+  assert step.eval_shape(W, X)[0].shape == W.shape
+  np.testing.assert_allclose(out[0], jax.jit(sgd_step)(W, X)[0])
