@@ -127,13 +127,15 @@ def test_nnx_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_de
                                 graphdef)
   batch = {"x": jnp.ones((2048, 512)), "y": jnp.zeros((2048, 512))}
   want_state, want = jax.jit(step)((params, tx.init(params)), batch)
-  guarded = hbm_guard.guarded_jit(step, state_argnums=0, target="v5e:1x1", capacity="16MiB",
+  # 18 MiB: the plain step needs about 21 MiB; donating the state brings it under 17 MiB
+  # (libtpu 0.0.50: 15.9; 0.0.42: 16.5).
+  guarded = hbm_guard.guarded_jit(step, state_argnums=0, target="v5e:1x1", capacity="18MiB",
                                   report_dir=str(tmp_path))
   state = (jax.tree.map(jnp.copy, params), tx.init(params))
   new_state, metrics = guarded(state, batch)
   first, last = guarded.attempts[0], guarded.attempts[-1]
-  assert first.outcome == "oom" and first.record.required_bytes > 16 * MiB
-  assert last.outcome == "fits" and last.memory["peak"] <= 16 * MiB
+  assert first.outcome == "oom" and first.record.required_bytes > 18 * MiB
+  assert last.outcome == "fits" and last.memory["peak"] <= 18 * MiB
   assert 0 in guarded.plan.donate_argnums
   np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-6)
 
@@ -143,10 +145,10 @@ def test_bf16_is_withheld_under_exact_and_fits_when_allowed(tmp_path, v5e_device
   cfg = train.Config()
   only_bf16 = [{"name": "bf16", "kind": "dtype", "class": "behaviour", "section": "S3.A",
                 "dtype": "bfloat16"}]
-  common = dict(state_argnums=0, target="v5e:1x1", capacity="720MiB", ladder=only_bf16,
+  common = dict(state_argnums=0, target="v5e:1x1", capacity="800MiB", ladder=only_bf16,
                 report_dir=str(tmp_path))
-  # Measured with libtpu at a 720 MiB budget: the early check asks about 870 MiB in f32;
-  # in bf16 it fits.
+  # Measured at an 800 MiB budget: f32 needs 874 MiB (libtpu 0.0.50) / 1002 (0.0.42);
+  # bf16 peaks at 670 / 732 MiB. 800 separates them on both.
   strict = hbm_guard.guarded_jit(hg_flax.train_step(train.loss_fn), **common)
   with pytest.raises(hbm_guard.LadderExhaustedError):
     strict(train.make_state(cfg), train.make_batch(cfg, 0))
@@ -157,5 +159,5 @@ def test_bf16_is_withheld_under_exact_and_fits_when_allowed(tmp_path, v5e_device
   _, metrics = allowed(train.make_state(cfg), train.make_batch(cfg, 0))
   f32_need = allowed.attempts[0].record.required_bytes
   assert allowed.plan.compute_dtype == "bfloat16"
-  assert allowed.attempts[-1].memory["peak"] <= 720 * MiB < f32_need
+  assert allowed.attempts[-1].memory["peak"] <= 800 * MiB < f32_need
   assert np.isfinite(float(metrics["loss"]))
