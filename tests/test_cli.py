@@ -74,3 +74,23 @@ def test_console_script_is_installed():
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr
   assert "E1000" in proc.stdout
+
+
+def test_report_command_renders_a_guard_report(tmp_path):
+  import jax.numpy as jnp
+  import hbm_guard
+  import pytest
+
+  def step(w, x):
+    return w + (x @ w).sum(), (x @ w).sum()
+
+  g = hbm_guard.guarded_jit(step, state_argnums=0, capacity="1KiB", report_dir=str(tmp_path))
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    g(jnp.ones((64, 64)), jnp.ones((8, 64)))
+  code, out = run(["report", g.report_path])
+  assert code == 0
+  assert "exhausted after 2 compile(s)" in out
+  assert "#1 plain jit: oom" in out and "#2 donate: oom" in out
+  assert "skipped reshard_fsdp: needs several devices" in out
+  assert "what to do next:" in out
+  assert run(["report", str(tmp_path / "nope.json")])[0] == 2

@@ -156,3 +156,29 @@ def test_linen_remat_inside_nn_scan_follows_the_plan():
   assert "remat_policy" in scope.reads
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), remat(params),
                plain(params))
+
+
+def test_nnx_remat_inside_nnx_scan_follows_the_plan():
+  from flax import nnx
+  from hbm_guard.integrations import flax as hg_flax
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make_layers(key):
+    return nnx.Linear(32, 32, rngs=nnx.Rngs(key))
+
+  graphdef, params = nnx.split(make_layers(jax.random.split(jax.random.key(0), 3)))
+  x = jnp.ones((8, 32))
+
+  def grads(p):
+    def loss(p):
+      @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+      def body(layer, h):
+        return hg_flax.remat(lambda layer, h: h + jnp.tanh(layer(h)))(layer, h)
+      return (body(nnx.merge(graphdef, p), x) ** 2).mean()
+    return jax.grad(loss)(p)
+
+  plain, _ = _compiled(grads, hbm_guard.Plan(), params)
+  remat, scope = _compiled(grads, hbm_guard.Plan(remat_policy="nothing_saveable"), params)
+  assert "remat_policy" in scope.reads
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), remat(params),
+               plain(params))
