@@ -94,3 +94,22 @@ def test_report_command_renders_a_guard_report(tmp_path):
   assert "skipped reshard_fsdp: needs several devices" in out
   assert "what to do next:" in out
   assert run(["report", str(tmp_path / "nope.json")])[0] == 2
+
+
+def test_report_names_the_plan_in_force(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  import hbm_guard
+
+  def step(w, x):
+    g = jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+    return w - 0.1 * g, g.sum()
+
+  w, x = jnp.full((512, 512), 0.01, jnp.float32), jnp.ones((64, 512))
+  peak = hbm_guard._src.guard.memory_of(jax.jit(step).lower(w, x).compile())["peak"]
+  g = hbm_guard.guarded_jit(step, state_argnums=0, capacity=peak - w.nbytes // 2,
+                            report_dir=str(tmp_path))
+  g(w, x)
+  code, out = run(["report", g.report_path])
+  assert code == 0 and "fits after 2 compile(s)" in out
+  assert "plan in force: donate" in out

@@ -80,7 +80,9 @@ def render(data: dict[str, Any]) -> str:
     for s in a.get("skipped", ()):
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
   if data.get("final_plan"):
-    lines.append(f"  plan in force: {', '.join(data['final_plan']['rungs']) or 'plain jit'}")
+    from hbm_guard._src import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    lines.append("  plan in force: "
+                 + plan_lib.Plan.from_dict(data["final_plan"]).describe())
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
   if data.get("next_steps"):
