@@ -198,7 +198,7 @@ class GuardedFunction:
     self.report_path: str | None = None
     self._verified: set = set()
     self._last_scope: plan_lib._Scope | None = None
-    self._jitted = self._make_jit(self.plan, local=True)
+    self._jitted = self._make_jit(self.plan)
 
   # -- building -------------------------------------------------------------------------
 
@@ -227,13 +227,13 @@ class GuardedFunction:
       plan = dataclasses.replace(plan, compiler_options=())
     return plan
 
-  def _make_jit(self, plan: plan_lib.Plan, *, local: bool, strict: bool = True,
+  def _make_jit(self, plan: plan_lib.Plan, *, strict: bool = True,
                 layout: dict[int, Any] | None = None, nargs: int = 0):
     kw = dict(self._jit_kwargs)
     donate = tuple(sorted(set(self._user_donate) | set(plan.donate_argnums)))
     if donate:
       kw["donate_argnums"] = donate
-    if plan.compiler_options and (not local or jax.default_backend() == "tpu"):
+    if plan.compiler_options:  # TPU flags; a target's plan runs locally via _local_plan
       kw["compiler_options"] = dict(plan.compiler_options)
     if layout:
       static = set(self._static_argnums(nargs))
@@ -313,14 +313,14 @@ class GuardedFunction:
     """Compiles under `plan`: (jit object for local calls or None, memory, scope, layout)."""
     layout = self._plan_layout(plan, args)
     if self._target is not None:
-      jitted = self._make_jit(plan, local=False, strict=False, layout=layout, nargs=len(args))
+      jitted = self._make_jit(plan, strict=False, layout=layout, nargs=len(args))
       targs, tkw = self._abstract_args(args, kwargs, layout)
       options = dict(plan.compiler_options)
       if self._capacity is not None:
         options["xla_tpu_max_hbm_size_mib"] = max(1, self._capacity // MiB)
       compiled = jitted.lower(*targs, **tkw).compile(options)
       return None, memory_of(compiled), self._last_scope, layout
-    jitted = self._make_jit(plan, local=True, strict=True, layout=layout, nargs=len(args))
+    jitted = self._make_jit(plan, layout=layout, nargs=len(args))
     largs, lkw = self._abstract_args(args, kwargs, layout) if layout else (args, kwargs)
     compiled = jitted.lower(*largs, **lkw).compile()
     return jitted, memory_of(compiled), self._last_scope, layout
@@ -420,7 +420,7 @@ class GuardedFunction:
     if self._target is not None:  # fits the target: now build it for the local backend
       local = self._local_plan(plan)
       layout = self._plan_layout(local, args, devices=jax.devices())
-      jitted = self._make_jit(local, local=True, strict=True, layout=layout, nargs=len(args))
+      jitted = self._make_jit(local, layout=layout, nargs=len(args))
     self._sync_across_hosts(plan)
     self.plan = plan
     self._jitted = jitted
@@ -473,7 +473,7 @@ class GuardedFunction:
   def fit(self, *args, **kwargs) -> plan_lib.Plan:
     """Finds (and installs) the plan that fits these arguments, without running the step."""
     self._last_scope = None
-    self._make_jit(self.plan, local=True, strict=False).trace(*args, **kwargs)
+    self._make_jit(self._local_plan(self.plan), strict=False).trace(*args, **kwargs)
     key = self._last_scope.facts["signature"]
     if key not in self._verified:
       self._fit(key, args, kwargs)
@@ -481,11 +481,12 @@ class GuardedFunction:
 
   def lower(self, *args, **kwargs):
     """Lowers under the plan in force (like jax.jit(...).lower); call fit() first to climb."""
-    return self._make_jit(self._local_plan(self.plan), local=True, strict=False).lower(
+    return self._make_jit(self._local_plan(self.plan), strict=False).lower(
         *args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
-    return jax.eval_shape(self._make_jit(self.plan, local=True, strict=False), *args, **kwargs)
+    return jax.eval_shape(self._make_jit(self._local_plan(self.plan), strict=False),
+                          *args, **kwargs)
 
 
 def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = None,
