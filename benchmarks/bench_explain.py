@@ -9,7 +9,7 @@ import time
 
 import hbm_guard
 
-CORPUS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "corpus"
+CORPUS = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "corpus"
 
 
 def main():

@@ -5,11 +5,15 @@ here as an exception instead of being swallowed into None.
 """
 
 import random
+import time
+
+import pytest
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hbm_guard
 from hbm_guard._src import record
+from benchmarks.bench_parse_adversarial import adversarial_inputs
 from tests.test_record_corpus import EXPECTED, body
 
 _COUNT = {"random": 0}
@@ -68,3 +72,13 @@ def test_mutated_corpus_never_raises():
       ran += 1
   print(f"fuzz: {ran} mutated corpus messages, {_COUNT['random']} random texts, no exception")
   assert ran == per_file * len(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(adversarial_inputs(16)))
+def test_adversarial_whitespace_parses_in_linear_time(name):
+  # 256 KiB each: a quadratic regex takes minutes here (20,000 newlines took 19 s before);
+  # linear parsing takes well under the budget (benchmarks/bench_parse_adversarial.py).
+  text = adversarial_inputs(256 << 10)[name]
+  t0 = time.perf_counter()
+  record._parse_text(text)
+  assert time.perf_counter() - t0 < 2.0, name

@@ -1,4 +1,4 @@
-"""Every real message in ../shared/corpus parses, with the numbers a person reads off it.
+"""Every real message in tests/data/corpus parses, with the numbers a person reads off it.
 
 Expected values are typed from the text ("63.80G" -> G(63.80)), never copied from the
 parser's output. A corpus file without an entry here fails `test_every_corpus_file_is_covered`.
@@ -11,7 +11,7 @@ import pytest
 import hbm_guard
 from hbm_guard._src import record as R
 
-CORPUS = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
+CORPUS = pathlib.Path(__file__).resolve().parent / "data" / "corpus"  # copied from the project's shared corpus, sources in INDEX.md
 
 
 def K(x): return round(x * 2**10)
@@ -296,3 +296,19 @@ def test_big_log_with_false_anchors_before_the_message():
   rec = hbm_guard.parse(text)
   assert (rec.kind, rec.used_bytes, rec.exceeded_bytes) == (R.COMPILE_HBM, G(31.91), M(681.08))
   assert hbm_guard.parse(noise * 90000) is None
+
+
+def test_runtime_reserve_needs_more_than_is_free():
+  # corpus 032: 3.95G requested, 1.92G free on an 8.00G chip mostly held by other buffers.
+  rec = hbm_guard.parse(body("032_pytorch-xla-1735-reserve-bottom-with-breakdown.txt"))
+  assert rec.kind == R.RUNTIME_HBM
+  assert rec.required_bytes == G(3.95) and rec.available_bytes == G(1.92)
+  assert rec.shortfall_bytes == G(3.95) - G(1.92) > 0
+  assert "by 2.03 GiB" in hbm_guard.diagnose(rec).summary
+
+
+def test_record_pickles():
+  import pickle
+  rec = hbm_guard.parse(body("021_au2018-detection-tpu-full-20-entries.txt"))
+  again = pickle.loads(pickle.dumps(rec))
+  assert again == rec and again.breakdown == rec.breakdown and again.allocations

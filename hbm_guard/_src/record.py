@@ -115,6 +115,8 @@ class E1000Record:
     """What the program needed, by the best figure the message gives."""
     if self.used_bytes is not None:
       return self.used_bytes
+    if self.kind in (RUNTIME_HBM, RUNTIME_GPU) and self.requested_bytes is not None:
+      return self.requested_bytes
     if self.tensorcore_bytes is not None or self.sparsecore_bytes is not None:
       return (self.tensorcore_bytes or 0) + (self.sparsecore_bytes or 0)
     if self.temp_bytes is not None:
@@ -125,6 +127,13 @@ class E1000Record:
 
   @property
   def available_bytes(self) -> int | None:
+    """What the request had to fit in: free memory at run time, else the capacity.
+
+    A runtime reserve ("Attempting to reserve 3.95G ... There are 1.92G free") also prints
+    the chip's capacity (8.00G), but other buffers held most of it: the free figure counts.
+    """
+    if self.kind in (RUNTIME_HBM, RUNTIME_GPU) and self.free_bytes is not None:
+      return self.free_bytes
     if self.capacity_bytes is not None:
       return self.capacity_bytes
     return self.free_bytes
@@ -138,6 +147,9 @@ class E1000Record:
     if need is None or have is None:
       return None
     return need - have
+
+  def __reduce__(self):  # the read-only breakdown view does not pickle; its dict does
+    return (_record_from_dict, (self.to_dict(),))
 
   def to_dict(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -157,6 +169,10 @@ class E1000Record:
     return cls(**kw)
 
 
+def _record_from_dict(d: Mapping[str, Any]) -> E1000Record:
+  return E1000Record.from_dict(d)
+
+
 # --------------------------------------------------------------------------------------
 # Cleaning: what logs and issue trackers wrap around the message.
 
@@ -171,8 +187,17 @@ _LINE_PREFIX = re.compile(
     re.MULTILINE)
 
 
+# Logs are untrusted: runs of whitespace are where backtracking regexes go quadratic. Capping
+# horizontal runs and dropping blank lines (both linear) bounds every `\s*`/`\s+` below.
+_HORIZONTAL_RUN = re.compile(r"[ \t\f\v]{9,}")
+_BLANK_LINES = re.compile(r"(?:\n[ \t\f\v]*)+\n")
+_MAX_LINE = 4096  # longer lines are cut for the block parser: no table row is that long
+
+
 def _clean(text: str) -> str:
   text = text.replace("\r\n", "\n").replace("\r", "\n").replace("**", "")
+  text = _HORIZONTAL_RUN.sub(" " * 8, text)
+  text = _BLANK_LINES.sub("\n", text)
   return _LINE_PREFIX.sub("", text)
 
 
@@ -230,7 +255,7 @@ _RE_COMPACTION = re.compile(
     _words("maximum", "reservable", "bytes", "would", "be", _S), re.IGNORECASE)
 _RE_CODE = re.compile(r"\b(E\d{4}):\s*([A-Z]\w+):")
 _RE_BLOCK_ONLY = re.compile(
-    r"^\s*(?:Total\s+hbm\s+usage\s*>=|Program\s+hbm\s+requirement|"
+    r"^[ \t]*(?:Total\s+hbm\s+usage\s*>=|Program\s+hbm\s+requirement|"
     r"Largest\s+program\s+allocations\s+in\s+hbm|Largest\s+program\s+arguments|"
     r"program\s+" + _SIZE + r"\s*$|\d+\.\s+Size:\s*" + _SIZE + r"\s*$)",
     re.IGNORECASE | re.MULTILINE)
@@ -303,9 +328,9 @@ _RE_LISTING = re.compile(
 _RE_ENTRY = re.compile(r"^\s*(?:\d+\.\s+Size:\s*" + _S + r"|Buffer\s+\d+:\s*$)", re.I)
 _RE_FIELD = re.compile(
     r"^\s*(Size|Operator|Shape|Unpadded size|Extra memory due to padding|XLA label|"
-    r"Allocation type|Entry Parameter Subshape)\s*:\s*(.*?)\s*$", re.I)
+    r"Allocation type|Entry Parameter Subshape)\s*:\s*(.*)$", re.I)
 _RE_ROW = re.compile(
-    r"^\s*([A-Za-z][\w\- /]*?(?:\([^)]*\))?)\s*:?\s+(" + _SIZE + r"|unknown size)"
+    r"^\s*([A-Za-z][\w\- /]*?(?:\([^)]{0,200}\))?)\s*:?\s+(" + _SIZE + r"|unknown size)"
     r"(.*)$", re.I)
 _RE_HLO_TEMP_DETAIL = re.compile(
     r"Unpadded\s*\(" + _S + r"\)\s*Padded\s*\(" + _S + r"\)", re.I)
@@ -378,6 +403,7 @@ def _parse_blocks(lines: list[str]) -> tuple[dict, dict, list, list, int]:
   for i, line in enumerate(lines[:_MAX_BLOCK_LINES]):
     if not line.strip():
       continue
+    line = line[:_MAX_LINE]
     used = True
     if m := _RE_TOTAL.match(line):
       close_entry()
@@ -412,7 +438,7 @@ def _parse_blocks(lines: list[str]) -> tuple[dict, dict, list, list, int]:
       section = section or "allocations"  # a fragment that starts inside a listing
       entry = {"size_bytes": parse_size(m.group(1))} if m.group(1) else {}
     elif section in listings and entry is not None and (m := _RE_FIELD.match(line)):
-      key, value = m.group(1).lower(), m.group(2)
+      key, value = m.group(1).lower(), m.group(2).strip()
       if key == "size":
         entry["size_bytes"] = parse_size(value)
       elif key == "operator":
