@@ -8,18 +8,20 @@ from hbm_guard._src.diagnose import Advice
 from hbm_guard._src.diagnose import Diagnosis
 from hbm_guard._src.diagnose import diagnose
 from hbm_guard._src.diagnose import format_bytes
+from hbm_guard._src.errors import CapacityExceededError
 from hbm_guard._src.errors import HbmGuardError
 from hbm_guard._src.errors import InvalidLadderError
 from hbm_guard._src.errors import LadderExhaustedError
 from hbm_guard._src.errors import UnevenMicrobatchError
+from hbm_guard._src.errors import TpuCompilerBusyError
 from hbm_guard._src.errors import UnknownTargetError
-from hbm_guard._src.guard import Attempt
+from hbm_guard._src.climb import Attempt
 from hbm_guard._src.guard import GuardedFunction
 from hbm_guard._src.guard import guarded_jit
 from hbm_guard._src.helpers import checkpoint
 from hbm_guard._src.helpers import compute_dtype
 from hbm_guard._src.helpers import load_offloaded
-from hbm_guard._src.helpers import remat_policy
+from hbm_guard._src.helpers import current_remat_policy
 from hbm_guard._src.helpers import store_offloaded
 from hbm_guard._src.helpers import value_and_grad
 from hbm_guard._src.ladder import Rung
@@ -42,14 +44,17 @@ __all__ = (
     "Rung",
     "Diagnosis",
     "E1000Record",
+    "CapacityExceededError",
     "HbmGuardError",
     "InvalidLadderError",
     "LadderExhaustedError",
     "UnevenMicrobatchError",
+    "TpuCompilerBusyError",
     "UnknownTargetError",
     "checkpoint",
     "compute_dtype",
     "current_plan",
+    "current_remat_policy",
     "diagnose",
     "format_bytes",
     "guarded_jit",
@@ -57,7 +62,6 @@ __all__ = (
     "load_offloaded",
     "parse",
     "parse_size",
-    "remat_policy",
     "store_offloaded",
     "value_and_grad",
 )

@@ -17,6 +17,7 @@ Flax is imported lazily: importing hbm_guard never imports it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from hbm_guard._src import guard as guard_lib
@@ -33,9 +34,19 @@ def remat(target: Any, **kwargs) -> Any:
   """
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   if isinstance(target, type) and issubclass(target, nn.Module):
-    return nn.remat(target, policy=helpers.remat_policy, **kwargs)
+    # Linen builds its checkpointed function afresh at every trace, so this policy, which
+    # reads the plan when jax asks it, cannot be served an earlier trace's decisions.
+    return nn.remat(target, policy=_plan_reading_policy, **kwargs)
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  return nnx.remat(target, policy=helpers.remat_policy, **kwargs)
+
+  @functools.wraps(target)
+  def planned(*args, **kw):  # the plan's own policy object, resolved at each trace
+    return nnx.remat(target, policy=helpers.current_remat_policy(), **kwargs)(*args, **kw)
+  return planned
+
+
+def _plan_reading_policy(prim, *args, **params):
+  return helpers.current_remat_policy()(prim, *args, **params)
 
 
 def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:

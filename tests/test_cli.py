@@ -106,7 +106,7 @@ def test_report_names_the_plan_in_force(tmp_path):
     return w - 0.1 * g, g.sum()
 
   w, x = jnp.full((512, 512), 0.01, jnp.float32), jnp.ones((64, 512))
-  peak = hbm_guard._src.guard.memory_of(jax.jit(step).lower(w, x).compile())["peak"]
+  peak = hbm_guard._src.compile.memory_of(jax.jit(step).lower(w, x).compile())["peak"]
   g = hbm_guard.guarded_jit(step, state_argnums=0, capacity=peak - w.nbytes // 2,
                             report_dir=str(tmp_path))
   g(w, x)

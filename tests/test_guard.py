@@ -75,7 +75,7 @@ def test_non_oom_errors_pass_through_unchanged():
 
 
 def test_donation_makes_it_fit_by_the_compilers_numbers(tmp_path):
-  plain = hbm_guard._src.guard.memory_of(jax.jit(sgd_step).lower(W, X).compile())
+  plain = hbm_guard._src.compile.memory_of(jax.jit(sgd_step).lower(W, X).compile())
   capacity = plain["peak"] - W.nbytes // 2  # donating W saves W.nbytes
   step = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=capacity,
                                report_dir=str(tmp_path))
@@ -92,7 +92,7 @@ def test_donation_makes_it_fit_by_the_compilers_numbers(tmp_path):
 
 
 def test_no_donation_without_state_argnums():
-  plain = hbm_guard._src.guard.memory_of(jax.jit(sgd_step).lower(W, X).compile())
+  plain = hbm_guard._src.compile.memory_of(jax.jit(sgd_step).lower(W, X).compile())
   step = hbm_guard.guarded_jit(sgd_step, capacity=plain["peak"] - 1, report_dir="/tmp/hg")
   with pytest.raises(hbm_guard.LadderExhaustedError):
     step(W, X)
@@ -138,7 +138,7 @@ def test_behaviour_rung_is_withheld_unless_allowed(tmp_path):
     return jax.grad(loss)(w)
 
   w, x = jnp.ones((256, 256)), jnp.ones((2048, 256))
-  plain = hbm_guard._src.guard.memory_of(jax.jit(step).lower(w, x).compile())
+  plain = hbm_guard._src.compile.memory_of(jax.jit(step).lower(w, x).compile())
   only_bf16 = [{"name": "bf16", "kind": "dtype", "class": "behaviour", "section": "S3.A",
                 "dtype": "bfloat16"}]
   cap = plain["peak"] - plain["temp"] // 4
@@ -249,7 +249,7 @@ def test_user_errors_keep_their_traceback_free_of_guard_frames():
 
 
 def test_fit_climbs_without_running_and_the_next_call_reuses_it(tmp_path):
-  plain = hbm_guard._src.guard.memory_of(jax.jit(sgd_step).lower(W, X).compile())
+  plain = hbm_guard._src.compile.memory_of(jax.jit(sgd_step).lower(W, X).compile())
   step = hbm_guard.guarded_jit(sgd_step, state_argnums=0,
                                capacity=plain["peak"] - W.nbytes // 2, report_dir=str(tmp_path))
   plan = step.fit(W, X)

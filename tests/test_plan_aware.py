@@ -83,7 +83,7 @@ def test_guard_climbs_to_microbatching_on_cpu_and_training_is_unchanged(tmp_path
     return w - 0.1 * g, value
 
   w, x = jnp.full((256, 256), 0.01), jnp.ones((512, 256))
-  peak = hbm_guard._src.guard.memory_of(jax.jit(step).lower(w, x).compile())
+  peak = hbm_guard._src.compile.memory_of(jax.jit(step).lower(w, x).compile())
   cap = peak["peak"] - peak["temp"] // 2
   guarded = hbm_guard.guarded_jit(step, capacity=cap, max_class="numerics",
                                   report_dir=str(tmp_path))

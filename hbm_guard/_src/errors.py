@@ -5,6 +5,8 @@ Follows flax.errors: the class docstring explains, the message says what to do.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import jax
 
 _DOCS = "https://github.com/hbm-guard/hbm_guard/blob/main/README.md"
@@ -20,34 +22,66 @@ class HbmGuardError(Exception):
     super().__init__(message)
 
 
-class LadderExhaustedError(jax.errors.JaxRuntimeError):
-  """No plan on the fallback ladder fits the step in memory.
+class _OutOfMemory(HbmGuardError, jax.errors.JaxRuntimeError):
+  """The step does not fit. A jax runtime error, so `except JaxRuntimeError` still works."""
 
-  A subclass of jax's runtime error, so `except jax.errors.JaxRuntimeError` still catches
-  it; raised from the compiler's last out-of-memory error. `report_path` names the
-  post-mortem JSON, `attempts` holds every attempt.
-  """
-
-  def __init__(self, message: str, *, report_path=None, attempts=()):
+  def __init__(self, message: str, *, report_path: str | None = None,
+               attempts: Sequence[Any] = ()):
     super().__init__(message)
     self.report_path = report_path
     self.attempts = tuple(attempts)
 
-  def __reduce__(self):
-    return (LadderExhaustedError, (str(self),))
+  def __reduce__(self):  # keep the report and attempts across processes (pickle)
+    return (_rebuild, (type(self), str(self), self.report_path, self.attempts))
+
+
+def _rebuild(cls, message, report_path, attempts):
+  return cls(message, report_path=report_path, attempts=attempts)
+
+
+class LadderExhaustedError(_OutOfMemory):
+  """No plan on the fallback ladder fits the step in memory.
+
+  Raised from the compiler's last out-of-memory error when there was one. `report_path`
+  names the post-mortem JSON (None if it could not be written), `attempts` holds every
+  attempt.
+  """
+
+
+class CapacityExceededError(_OutOfMemory):
+  """The step exceeds `capacity=` and automatic fallback is off.
+
+  With `auto_fallback=False` the guard diagnoses and reports, but changes nothing: pass
+  `auto_fallback=True` (or `--hbm_guard_auto_fallback`) to let it climb the ladder.
+  """
 
 
 class UnevenMicrobatchError(HbmGuardError, ValueError):
   """The batch does not split into the plan's number of microbatches.
 
   hbm_guard never drops examples to make a split even: pick a batch divisible by the
-  microbatch count, or let the ladder choose a count that divides it.
+  microbatch count, or let the guard choose a count that divides it (it does so for a new
+  input signature, such as a trailing smaller batch).
   """
+
+  def __init__(self, message: str, *, batch_size: int | None = None,
+               microbatches: int | None = None):
+    super().__init__(message)
+    self.batch_size = batch_size
+    self.microbatches = microbatches
 
 
 class InvalidLadderError(HbmGuardError, ValueError):
-  """A ladder definition names an unknown rung kind or an invalid semantic class."""
+  """A ladder definition is malformed: unknown kind, class or key, or a missing field."""
 
 
 class UnknownTargetError(HbmGuardError, ValueError):
   """`target=` or `capacity=` names no known device or topology."""
+
+
+class TpuCompilerBusyError(UnknownTargetError):
+  """libtpu is held by another process, so this one cannot compile for a TPU target.
+
+  Set ALLOW_MULTIPLE_LIBTPU_LOAD=1 in every process that loads libtpu (compiling for a
+  topology needs no TPU chip, so sharing is safe), or wait for the other process to exit.
+  """

@@ -1,11 +1,12 @@
 """guarded_jit: `jax.jit` that climbs a fallback ladder when the step does not fit.
 
-A call goes straight to a `jax.jit` object (jax's C++ fast path). Only when jax traces a
-new input signature does the guard step in: the traced function raises `_NewSignature`
-before anything is compiled, the guard compiles the step plan by plan until one fits,
-and installs a fresh jit object for that plan whose compiled executable the next call
-reuses. (A fresh object and closure, because a jit whose first trace raised loses its
-fast path for good.)
+A call goes straight to a `jax.jit` object (jax's C++ fast path). Only when jax traces an
+input signature the guard has not fitted does it step in: the traced function raises
+`_NewSignature` before anything compiles, and the guard fits that signature (serialised by
+a lock), climbing from the plan in force. Each plan has its own jit object, whose traced
+function only accepts the signatures fitted to that plan, so a plan always belongs to the
+signatures it was fitted for, signatures sharing a plan share one jit (no recompiles), and
+the executable the fit compiled is the one the next call runs.
 """
 
 from __future__ import annotations
@@ -14,26 +15,27 @@ import dataclasses
 import functools
 import hashlib
 import json
-import logging
 import os
-import time
-from typing import Any, Callable, Sequence
+import threading
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from absl import logging
 
+from hbm_guard._src import climb as climb_lib
+from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import errors
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
-from hbm_guard._src import record as record_lib
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import targets as targets_lib
+from hbm_guard._src import trace as trace_lib
 
-log = logging.getLogger("hbm_guard")
 MiB = 1 << 20
+default_offload_filter = layout_lib.default_offload_filter
 
 try:  # Hide hbm_guard's frames from user tracebacks, as jax hides its own (equinox does too).
   from jax._src import traceback_util  # pylint: disable=g-import-not-at-top
@@ -45,124 +47,37 @@ except (ImportError, AttributeError):  # a private API: without it, tracebacks a
 
 
 class _NewSignature(Exception):
-  """Raised at trace time for an input signature the guard has not fitted yet."""
+  """Raised at trace time for an input signature not fitted to this jit's plan."""
 
   def __init__(self, key):
     super().__init__("hbm_guard: new input signature")
     self.key = key
 
 
-@dataclasses.dataclass(frozen=True)
-class Attempt:
-  """One compile of the step under one plan, and what the compiler said."""
-  number: int
+def _as_tuple(x, kind=int) -> tuple:
+  if x is None:
+    return ()
+  return (x,) if isinstance(x, kind) else tuple(x)
+
+
+@dataclasses.dataclass(eq=False)
+class _PlanJit:
+  """A jit object for one plan (and, with a layout, one state structure)."""
   plan: plan_lib.Plan
-  outcome: str  # "fits" | "oom"
-  seconds: float
-  record: record_lib.E1000Record | None = None
-  diagnosis: diagnose_lib.Diagnosis | None = None
-  memory: dict[str, int] | None = None  # from compiled.memory_analysis()
-  skipped: tuple[ladder_lib.Skip, ...] = ()  # rungs passed over to choose the next plan
+  jitted: Any
+  layout: dict[int, Any] | None
+  allowed: set  # signatures this jit may trace
+  facts: dict  # signature -> compile_lib.TraceFacts of its last trace
 
-  def to_dict(self) -> dict[str, Any]:
-    return {
-        "number": self.number, "plan": self.plan.to_dict(), "described": self.plan.describe(),
-        "outcome": self.outcome, "seconds": round(self.seconds, 3),
-        "record": self.record.to_dict() if self.record else None,
-        "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
-        "memory": self.memory,
-        "skipped": [dataclasses.asdict(s) for s in self.skipped],
-    }
-
-
-def memory_of(compiled) -> dict[str, int] | None:
-  """The compiler's own figures for a compiled step, with the peak they add up to."""
-  try:
-    ma = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  (not every backend implements it)
-    return None
-  if ma is None:
-    return None
-  m = {k: int(getattr(ma, k + "_size_in_bytes", 0) or 0)
-       for k in ("argument", "output", "alias", "temp", "generated_code")}
-  m["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"] + m["generated_code"]
-  for k in ("argument", "output", "temp"):  # host memory (offloaded), not in the peak
-    m["host_" + k] = int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0)
-  return m
-
-
-def budget_record(memory: dict[str, int], capacity: int, module: str) -> record_lib.E1000Record:
-  """A memory_analysis() above the capacity, as a record the ladder reads like E1000's."""
-  return record_lib.E1000Record(
-      kind=record_lib.BUDGET, memory_space="hbm", used_bytes=memory["peak"],
-      capacity_bytes=capacity, exceeded_bytes=memory["peak"] - capacity,
-      temp_bytes=memory["temp"], hlo_module=module,
-      breakdown={"arguments": memory["argument"], "output": memory["output"],
-                 "output aliased": memory["alias"], "HLO temp": memory["temp"],
-                 "code": memory["generated_code"]},
-      raw=(f"hbm_guard: peak {memory['peak']} bytes (arguments + outputs - aliased + "
-           f"temporaries + code) exceeds capacity {capacity} bytes"))
-
-
-def _leaf_key(x):
-  aval = getattr(x, "aval", None)
-  if aval is not None:
-    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
-  try:
-    hash(x)
-    return ("static", type(x).__name__, x)
-  except TypeError:
-    return ("unhashable", type(x).__name__, id(x))
-
-
-def _signature(args, kwargs):
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  return (treedef, tuple(_leaf_key(x) for x in leaves))
-
-
-def _avals_equal(a, b) -> bool:
-  la, ta = jax.tree_util.tree_flatten(a)
-  lb, tb = jax.tree_util.tree_flatten(b)
-  return ta == tb and all(_leaf_key(x)[:2] == _leaf_key(y)[:2] for x, y in zip(la, lb))
-
-
-def _replaced(args, out, state_argnums) -> tuple[tuple[int, int | None], ...]:
-  """State arguments the step returns anew with the same structure: safe to donate.
-
-  Returns (argnum, output index) pairs; the index is None when the whole output is it.
-  """
-  found = []
-  for i in state_argnums:
-    if i >= len(args):
-      continue
-    if _avals_equal(args[i], out):
-      found.append((i, None))
-    elif isinstance(out, (tuple, list)):
-      j = next((j for j, o in enumerate(out) if _avals_equal(args[i], o)), None)
-      if j is not None:
-        found.append((i, j))
-  return tuple(found)
-
-
-def default_offload_filter(path: str) -> bool:
-  """Which state leaves are optimizer state, by their key path (flax TrainState, optax)."""
-  return "opt_state" in path
-
-
-def _nbytes(tree) -> int:
-  return sum(int(np.prod(np.shape(x))) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
-             for x in jax.tree_util.tree_leaves(tree))
-
-
-def _fsdp_spec(shape, n: int) -> P:
-  """Shard the largest dimension divisible by n over the 'fsdp' axis; else replicate."""
-  dims = sorted(range(len(shape)), key=lambda d: -shape[d])
-  for d in dims:
-    if shape[d] >= n and shape[d] % n == 0:
-      spec = [None] * len(shape)
-      spec[d] = "fsdp"
-      return P(*spec)
-  return P()
+  def __call__(self, args, kwargs):
+    try:
+      return self.jitted(*args, **kwargs)
+    except ValueError:
+      # State the caller holds in another layout than the plan's (sharded, on host): move
+      # it once; the step returns it in the planned layout, so later calls are direct.
+      if not self.layout:
+        raise
+      return self.jitted(*layout_lib.place(args, self.layout), **kwargs)
 
 
 class GuardedFunction:
@@ -173,262 +88,241 @@ class GuardedFunction:
                auto_fallback=True, offload_filter=default_offload_filter, **jit_kwargs):
     if max_class not in ladder_lib.CLASSES:
       raise ValueError(f"max_class must be one of {ladder_lib.CLASSES}, not {max_class!r}")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+      raise ValueError(f"max_attempts must be a positive int, not {max_attempts!r}")
     functools.update_wrapper(self, fun)
     self._fun = fun
+    self._name = getattr(fun, "__name__", "step")
     self._target = targets_lib.Target.parse(target) if isinstance(target, str) else target
     self._capacity = targets_lib.parse_capacity(capacity)
     if self._capacity is None and self._target is not None:
       self._capacity = self._target.hbm_bytes
     self._max_class = max_class
-    self._max_attempts = int(max_attempts)
+    self._max_attempts = max_attempts
     self._rungs = ladder_lib.load_ladder(ladder)
-    self._state_argnums = ((state_argnums,) if isinstance(state_argnums, int)
-                           else tuple(state_argnums))
+    self._state_argnums = _as_tuple(state_argnums)
     self._offload_filter = offload_filter
-    self._replaced: tuple[tuple[int, int | None], ...] = ()  # learnt at the first trace
-    self._layout: dict[int, Any] | None = None  # planned shardings of state arguments
+    self._auto_fallback = bool(auto_fallback)
+    self._user_donate = _as_tuple(jit_kwargs.pop("donate_argnums", None))
+    for key, kind in (("static_argnums", int), ("static_argnames", str)):
+      if jit_kwargs.get(key) is not None:
+        jit_kwargs[key] = _as_tuple(jit_kwargs[key], kind)
+    self._jit_kwargs = dict(jit_kwargs)  # donation is merged per plan
+    self._replaced: tuple[tuple[int, Any], ...] = ()  # learnt at the first trace
     self._n_outputs: int | None = None
-    self._report_dir = report_dir
-    self._auto_fallback = auto_fallback
-    user_donate = jit_kwargs.pop("donate_argnums", None) or ()
-    self._user_donate = (user_donate,) if isinstance(user_donate, int) else tuple(user_donate)
-    self._jit_kwargs = dict(jit_kwargs)  # donation is merged per plan in _make_jit
-    self.plan = plan_lib.Plan()
-    self.attempts: list[Attempt] = []
-    self.report_path: str | None = None
-    self._verified: set = set()
-    self._last_scope: plan_lib._Scope | None = None
-    self._jitted = self._make_jit(self.plan)
+    self._report = report_lib.Writer(report_dir, f"{self._name}-{os.getpid()}-{id(self):x}")
+    self._lock = threading.RLock()
+    self._jits: dict[Hashable, _PlanJit] = {}
+    self._by_signature: dict[Hashable, _PlanJit] = {}
+    self._many_plans = False
+    self._plan = plan_lib.Plan()  # the plan of the latest fit (a target's, not the local)
+    self.attempts: list[climb_lib.Attempt] = []
+    self._hot = self._plan_jit(plan_lib.Plan(), None)
+
+  @property
+  def plan(self) -> plan_lib.Plan:
+    """The plan of the most recently fitted input signature."""
+    return self._plan
+
+  @property
+  def report_path(self) -> str | None:
+    """The post-mortem JSON, once one was written."""
+    return self._report.path
 
   # -- building -------------------------------------------------------------------------
 
-  def _closure(self, plan: plan_lib.Plan, strict: bool):
-    fun, verified = self._fun, self._verified
-    state_argnums = self._state_argnums
+  def _static(self, nargs: int) -> tuple[int, ...]:
+    return tuple(i % nargs for i in self._jit_kwargs.get("static_argnums", ())) if nargs else ()
+
+  def _key(self, args, kwargs) -> Hashable:
+    return trace_lib.signature(args, kwargs, self._static(len(args)),
+                               self._jit_kwargs.get("static_argnames", ()))
+
+  def _traced(self, plan: plan_lib.Plan, allowed, facts):
+    fun, state_argnums = self._fun, self._state_argnums
 
     @functools.wraps(fun)
     def traced(*args, **kwargs):
-      key = _signature(args, kwargs)
-      if strict and key not in verified:
+      key = self._key(args, kwargs)
+      if allowed is not None and key not in allowed:
         raise _NewSignature(key)
       with plan_lib.plan_scope(plan) as scope:
         out = fun(*args, **kwargs)
-      scope.facts["replaced"] = _replaced(args, out, state_argnums)
-      scope.facts["n_outputs"] = len(out) if isinstance(out, (tuple, list)) else None
-      scope.facts["signature"] = key
-      self._last_scope = scope
+      facts[key] = compile_lib.TraceFacts(
+          reads=frozenset(scope.reads), replaced=trace_lib.replaced_state(args, out, state_argnums),
+          n_outputs=len(out) if isinstance(out, (tuple, list)) else None,
+          batch_size=scope.facts.get("batch_size"), loss_form=scope.facts.get("loss_form"))
       return out
 
     return traced
 
-  def _local_plan(self, plan: plan_lib.Plan) -> plan_lib.Plan:
+  def _jit(self, plan: plan_lib.Plan, layout, nargs: int, allowed, facts):
+    kw = dict(self._jit_kwargs)
+    donate = tuple(sorted(set(self._user_donate) | set(plan.donate_argnums)))
+    if donate:
+      kw["donate_argnums"] = donate
+    if plan.compiler_options:
+      kw["compiler_options"] = dict(plan.compiler_options)
+    if layout:
+      static = set(self._static(nargs))
+      kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
+      kw["out_shardings"] = layout_lib.out_shardings(layout, self._replaced, self._n_outputs)
+    return jax.jit(self._traced(plan, allowed, facts), **kw)
+
+  def _plan_jit(self, plan: plan_lib.Plan, args) -> _PlanJit:
+    """The local jit object for `plan` (one per plan and, with a layout, state structure)."""
+    layout = None
+    if args is not None:
+      layout = layout_lib.plan_layout(plan, args, [i for i, _ in self._replaced],
+                                      jax.devices(), self._offload_filter)
+    jkey = (plan, None if layout is None else
+            jax.tree_util.tree_structure(tuple(args[i] for i in layout)),
+            None if layout is None else tuple(np.shape(x) for x in jax.tree.leaves(
+                tuple(args[i] for i in layout))))
+    entry = self._jits.get(jkey)
+    if entry is None:
+      allowed, facts = set(), {}
+      nargs = len(args) if args is not None else 0
+      entry = _PlanJit(plan, self._jit(plan, layout, nargs, allowed, facts), layout, allowed,
+                       facts)
+      self._jits[jkey] = entry
+    return entry
+
+  def _local(self, plan: plan_lib.Plan) -> plan_lib.Plan:
     """The plan as the local backend can run it (TPU flags only on TPU)."""
     if jax.default_backend() != "tpu" and plan.compiler_options:
       plan = dataclasses.replace(plan, compiler_options=())
     return plan
 
-  def _make_jit(self, plan: plan_lib.Plan, *, strict: bool = True,
-                layout: dict[int, Any] | None = None, nargs: int = 0):
-    kw = dict(self._jit_kwargs)
-    donate = tuple(sorted(set(self._user_donate) | set(plan.donate_argnums)))
-    if donate:
-      kw["donate_argnums"] = donate
-    if plan.compiler_options:  # TPU flags; a target's plan runs locally via _local_plan
-      kw["compiler_options"] = dict(plan.compiler_options)
-    if layout:
-      static = set(self._static_argnums(nargs))
-      kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
-      kw["out_shardings"] = self._out_shardings(layout)
-    return jax.jit(self._closure(plan, strict), **kw)
+  # -- fitting --------------------------------------------------------------------------
 
-  def _out_shardings(self, layout):
-    whole = [i for i, j in self._replaced if j is None and i in layout]
-    if whole:
-      return layout[whole[0]]
-    n_out = self._n_outputs or 0
-    by_out = {j: layout[i] for i, j in self._replaced if i in layout}
-    return tuple(by_out.get(j) for j in range(n_out))
-
-  def _plan_layout(self, plan: plan_lib.Plan, args, devices=None) -> dict[int, Any] | None:
-    """Shardings for the state arguments under `plan`: FSDP, host offload, or None."""
-    if not (plan.shard_state or plan.offload_optimizer) or not self._replaced:
-      return None
-    if devices is None:
-      devices = self._target.devices() if self._target is not None else jax.devices()
-    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
-    n = len(devices) if plan.shard_state else 1
-
-    def leaf(path, x):
-      host = plan.offload_optimizer and self._offload_filter(jax.tree_util.keystr(path))
-      spec = _fsdp_spec(np.shape(x), n) if plan.shard_state else P()
-      return NamedSharding(mesh, spec, memory_kind="pinned_host" if host else "device")
-
-    return {i: jax.tree_util.tree_map_with_path(leaf, args[i]) for i, _ in self._replaced}
-
-  def _abstract_args(self, args, kwargs, layout):
-    """Arguments to lower with: state as planned; on a target, the rest replicated there."""
-    static = set(self._static_argnums(len(args)))
-    static_names = set(self._jit_kwargs.get("static_argnames") or ())
-    mesh = None
+  def _try(self, plan: plan_lib.Plan, key, args, kwargs) -> compile_lib.Trial:
     if self._target is not None:
-      mesh = jax.sharding.Mesh(np.array(self._target.devices()), ("fsdp",))
-
-    def abstract(x, sharding):
-      scalar = not hasattr(x, "dtype")  # a Python scalar traces weakly typed, as under jit
-      weak = scalar or bool(getattr(x, "weak_type", False))
-      return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if scalar else x.dtype,
-                                  sharding=sharding, weak_type=weak)
-
-    def other(x):
-      return abstract(x, NamedSharding(mesh, P())) if mesh is not None else x
-
-    out = []
-    for i, a in enumerate(args):
-      if i in static:
-        out.append(a)
-      elif layout and i in layout:
-        out.append(jax.tree.map(abstract, a, layout[i]))
-      else:
-        out.append(jax.tree.map(other, a))
-    kw = {k: (v if k in static_names else jax.tree.map(other, v)) for k, v in kwargs.items()}
-    return tuple(out), kw
-
-  def _place(self, args):
-    """Moves the caller's state arguments to the planned layout (a no-op once there)."""
-    if not self._layout:
-      return args
-    args = list(args)
-    for i, sharding in self._layout.items():
-      args[i] = jax.device_put(args[i], sharding)
-    return tuple(args)
-
-  def _static_argnums(self, nargs):
-    s = self._jit_kwargs.get("static_argnums") or ()
-    s = (s,) if isinstance(s, int) else tuple(s)
-    return tuple(i % nargs for i in s) if nargs else ()
-
-  # -- compiling ------------------------------------------------------------------------
-
-  def _compile(self, plan: plan_lib.Plan, args, kwargs):
-    """Compiles under `plan`: (jit object for local calls or None, memory, scope, layout)."""
-    layout = self._plan_layout(plan, args)
-    if self._target is not None:
-      jitted = self._make_jit(plan, strict=False, layout=layout, nargs=len(args))
-      targs, tkw = self._abstract_args(args, kwargs, layout)
+      devices = self._target.devices()
+      layout = layout_lib.plan_layout(plan, args, [i for i, _ in self._replaced], devices,
+                                      self._offload_filter)
+      facts: dict = {}
+      jitted = self._jit(plan, layout, len(args), None, facts)
+      targs, tkw = layout_lib.abstract_args(
+          args, kwargs, layout, self._static(len(args)),
+          self._jit_kwargs.get("static_argnames", ()), devices)
       options = dict(plan.compiler_options)
       if self._capacity is not None:
         options["xla_tpu_max_hbm_size_mib"] = max(1, self._capacity // MiB)
-      compiled = jitted.lower(*targs, **tkw).compile(options)
-      return None, memory_of(compiled), self._last_scope, layout
-    jitted = self._make_jit(plan, layout=layout, nargs=len(args))
-    largs, lkw = self._abstract_args(args, kwargs, layout) if layout else (args, kwargs)
-    compiled = jitted.lower(*largs, **lkw).compile()
-    return jitted, memory_of(compiled), self._last_scope, layout
 
-  def _facts(self, scope, args) -> ladder_lib.StepFacts:
-    if self._target is not None:
-      platform, ndev = "tpu", len(self._target.devices())
+      def compile_fn():
+        return jitted.lower(*targs, **tkw).compile(options)
     else:
-      platform, ndev = jax.default_backend(), jax.device_count()
-    replaced = tuple(i for i, _ in (scope.facts.get("replaced", ()) if scope else ()))
-    state_bytes = sum(_nbytes(args[i]) for i in replaced)
-    offload_bytes = 0
-    for i in replaced:
-      for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-        if self._offload_filter(jax.tree_util.keystr(path)):
-          offload_bytes += _nbytes(leaf)
-    has_host = False
+      entry = self._plan_jit(plan, args)
+      entry.allowed.add(key)
+      facts = entry.facts
+      largs, lkw = (layout_lib.abstract_args(
+          args, kwargs, entry.layout, self._static(len(args)),
+          self._jit_kwargs.get("static_argnames", ())) if entry.layout else (args, kwargs))
+
+      def compile_fn():
+        return entry.jitted.lower(*largs, **lkw).compile()
     try:
-      dev = (self._target.devices()[0] if self._target else jax.devices()[0])
+      trial = compile_lib.try_compile(plan, compile_fn, lambda: facts.get(key),
+                                      capacity=self._capacity, name=self._name)
+    finally:
+      if self._target is None and key in entry.allowed and key not in self._by_signature:
+        entry.allowed.discard(key)  # re-admitted below if this plan fits
+    if trial.facts is not None and not self._replaced:
+      self._replaced, self._n_outputs = trial.facts.replaced, trial.facts.n_outputs
+    return trial
+
+  def _step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
+    if self._target is not None:
+      platform, devices = "tpu", self._target.devices()
+    else:
+      platform, devices = jax.default_backend(), jax.devices()
+    tf = trial.facts or compile_lib.TraceFacts()
+    replaced = tuple(i for i, _ in tf.replaced)
+    try:
       has_host = any(getattr(m, "kind", "") == "pinned_host"
-                     for m in dev.addressable_memories())
+                     for m in devices[0].addressable_memories())
     except Exception:  # pylint: disable=broad-except
-      pass
+      has_host = False
     return ladder_lib.StepFacts(
-        platform=platform, num_devices=ndev,
-        plan_reads=frozenset(scope.reads if scope else ()),
-        state_argnums=replaced, state_bytes=state_bytes,
-        batch_size=(scope.facts.get("batch_size") if scope else None),
-        offload_bytes=offload_bytes,
-        has_host_memory=has_host,
-        can_reshard="in_shardings" not in self._jit_kwargs)
+        platform=platform, num_devices=len(devices), plan_reads=tf.reads,
+        state_argnums=replaced, state_bytes=sum(layout_lib.nbytes(args[i]) for i in replaced),
+        batch_size=tf.batch_size, has_host_memory=has_host,
+        can_reshard="in_shardings" not in self._jit_kwargs,
+        offload_bytes=sum(layout_lib.offload_bytes(args[i], self._offload_filter)
+                          for i in replaced))
 
-  def _fit(self, key, args, kwargs):
-    """Climbs the ladder for one input signature; installs the plan that fits."""
-    plan = self.plan
-    name = getattr(self._fun, "__name__", "step")
-    started = len(self.attempts)
-    last_error = None
-    while True:
-      number = len(self.attempts) + 1
-      self._verified.add(key)
-      self._last_scope = None
-      t0 = time.perf_counter()
-      try:
-        jitted, memory, scope, layout = self._compile(plan, args, kwargs)
-        rec = None
-        if (memory is not None and self._capacity is not None
-            and memory["peak"] > self._capacity):
-          rec = budget_record(memory, self._capacity, f"jit_{name}")
-      except jax.errors.JaxRuntimeError as e:
-        self._verified.discard(key)
-        rec = record_lib.parse(e)
-        if rec is None or not rec.is_compile_time or not self._auto_fallback:
-          if rec is not None:
-            self._write_report(name, "failed", note=str(rec.kind))
-          raise
-        jitted, memory, scope, layout, last_error = None, None, self._last_scope, None, e
-      except Exception:
-        self._verified.discard(key)
-        raise
-      seconds = time.perf_counter() - t0
-      if scope is not None and not self._replaced:
-        self._replaced = scope.facts.get("replaced", ())
-        self._n_outputs = scope.facts.get("n_outputs")
-      if rec is None:  # fits
-        self.attempts.append(Attempt(number, plan, "fits", seconds, memory=memory))
-        break
-      self._verified.discard(key)
-      diag = diagnose_lib.diagnose(rec)
-      facts = self._facts(scope, args)
-      history = [(a.plan, a.record.required_bytes) for a in self.attempts[started:]
-                 if a.record is not None]
-      nxt, skips = ladder_lib.next_plan(
-          self._rungs, plan, facts, rec, self._max_class,
-          temp_bytes=(memory or {}).get("temp") or rec.temp_bytes, history=history)
-      self.attempts.append(Attempt(number, plan, "oom", seconds, rec, diag, memory,
-                                   tuple(skips)))
-      log.warning("hbm_guard: %s does not fit under plan %r (%s); %s", name, plan.describe(),
-                  diag.summary, f"next: {nxt.describe()}" if nxt else "ladder exhausted")
-      self._write_report(name, "climbing")
-      if nxt is None or len(self.attempts) - started >= self._max_attempts:
-        self._write_report(name, "exhausted")
-        tried = "; ".join(a.plan.describe() for a in self.attempts[started:])
-        need = rec.required_bytes
-        msg = (f"hbm_guard: no plan fits {name} in "
-               f"{diagnose_lib.format_bytes(rec.available_bytes)} after "
-               f"{len(self.attempts) - started} compiles (tried: {tried}); the last needed "
-               f"{diagnose_lib.format_bytes(need)} ({diag.scenario}: {diag.summary}) "
-               f"Report: {self.report_path}")
-        err = errors.LadderExhaustedError(msg, report_path=self.report_path,
-                                          attempts=self.attempts[started:])
-        if last_error is not None:
-          raise err from last_error
-        raise err
-      plan = nxt
+  def _check_argnums(self, args):
+    bad = [i for i in self._state_argnums if not -len(args) <= i < len(args)]
+    if bad:
+      raise ValueError(f"hbm_guard: state_argnums {bad} out of range for {len(args)} "
+                       f"positional argument(s) of {self._name}.")
 
-    if self._target is not None:  # fits the target: now build it for the local backend
-      local = self._local_plan(plan)
-      layout = self._plan_layout(local, args, devices=jax.devices())
-      jitted = self._make_jit(local, layout=layout, nargs=len(args))
-    self._sync_across_hosts(plan)
-    self.plan = plan
-    self._jitted = jitted
-    self._layout = layout
-    if len(self.attempts) - started > 1:
-      log.warning("hbm_guard: %s fits with plan %r after %d compiles", name, plan.describe(),
-                  len(self.attempts) - started)
-      self._write_report(name, "fits")
+  def _fit(self, key, args, kwargs) -> _PlanJit:
+    """Fits one input signature (one at a time); returns the jit that runs it."""
+    with self._lock:
+      if key in self._by_signature:  # another thread fitted it meanwhile
+        return self._by_signature[key]
+      self._check_argnums(args)
+      start = self._plan if self._auto_fallback else plan_lib.Plan()
+      result = climb_lib.climb(
+          lambda p: self._try(p, key, args, kwargs), start, rungs=self._rungs,
+          max_class=self._max_class, max_attempts=self._max_attempts,
+          auto_fallback=self._auto_fallback,
+          step_facts=lambda t: self._step_facts(args, t),
+          first_number=len(self.attempts) + 1, signature=trace_lib.describe(key),
+          on_attempt=self._record)
+      if result.status is not climb_lib.Status.FITS:
+        self._fail(result)
+      self._sync_across_hosts(result.plan)
+      entry = self._plan_jit(self._local(result.plan), args)
+      entry.allowed.add(key)
+      self._by_signature[key] = entry
+      self._many_plans = len({id(e) for e in self._by_signature.values()}) > 1
+      self._plan, self._hot = result.plan, entry
+      if len(result.attempts) > 1 or self._report.path is not None:
+        self._write_report("fits")
+      if len(result.attempts) > 1:
+        logging.info("hbm_guard: %s fits with %s after %d compile(s)", self._name,
+                     result.plan.describe(), len(result.attempts))
+      return entry
+
+  def _record(self, attempt: climb_lib.Attempt):
+    """Every attempt is in the report before it is in the log: a kill loses neither."""
+    self.attempts.append(attempt)
+    if attempt.outcome != "fits":
+      self._write_report("climbing")
+    need = attempt.record.required_bytes if attempt.record else (attempt.memory or {}).get("peak")
+    logging.info("hbm_guard: %s attempt #%d [%s] %s: %s%s in %.1f s", self._name,
+                 attempt.number, attempt.signature, attempt.plan.describe(), attempt.outcome,
+                 f", needs {diagnose_lib.format_bytes(need)}" if need else "",
+                 attempt.seconds)
+
+  def _fail(self, result: climb_lib.Result):
+    trial, attempts = result.last, result.attempts
+    diag = attempts[-1].diagnosis
+    rec = trial.record
+    fmt = diagnose_lib.format_bytes
+    status = "diagnosed" if result.status is climb_lib.Status.DIAGNOSED else "exhausted"
+    written = self._write_report(status)
+    where = (f"Report: {self._report.path}" if written else "The report could not be written.")
+    if result.status is climb_lib.Status.DIAGNOSED:
+      logging.error("hbm_guard: %s does not fit (%s); auto fallback is off. %s", self._name,
+                    diag.summary, where)
+      if trial.error is not None:
+        raise trial.error  # the compiler's own error, unchanged
+      raise errors.CapacityExceededError(
+          f"hbm_guard: {self._name} needs {fmt(rec.required_bytes)} of "
+          f"{fmt(rec.available_bytes)} ({diag.scenario}: {diag.summary}); auto fallback is "
+          f"off, so nothing was changed. {where}", report_path=self._report.path,
+          attempts=attempts)
+    tried = "; ".join(a.plan.describe() for a in attempts)
+    err = errors.LadderExhaustedError(
+        f"hbm_guard: no plan fits {self._name} in {fmt(rec.available_bytes)} after "
+        f"{len(attempts)} compile(s) (tried: {tried}); the last needed "
+        f"{fmt(rec.required_bytes)} ({diag.scenario}: {diag.summary}) {where}",
+        report_path=self._report.path, attempts=attempts)
+    raise err from trial.error
 
   def _sync_across_hosts(self, plan: plan_lib.Plan):
     if jax.process_count() == 1:
@@ -438,55 +332,73 @@ class GuardedFunction:
     multihost_utils.assert_equal(np.frombuffer(digest[:8], dtype=np.int64),
                                  "hbm_guard: processes chose different plans")
 
-  def _write_report(self, name: str, status: str, note: str | None = None):
-    directory = self._report_dir or os.environ.get("HBM_GUARD_REPORT_DIR") or "hbm_guard_reports"
-    if self.report_path is None:
-      self.report_path = os.path.abspath(
-          os.path.join(directory, f"{name}-{os.getpid()}-{id(self):x}.json"))
+  def _write_report(self, status: str) -> bool:
     data = report_lib.build(
-        function=name, status=status, attempts=[a.to_dict() for a in self.attempts],
-        final_plan=self.plan.to_dict() if status == "fits" else None,
+        function=self._name, status=status, attempts=[a.to_dict() for a in self.attempts],
+        final_plan=self._plan.to_dict() if status == "fits" else None,
         target=self._target.name if self._target else None, capacity_bytes=self._capacity,
-        max_class=self._max_class, ladder=[r.to_dict() for r in self._rungs], note=note)
-    try:
-      report_lib.write_atomic(self.report_path, data)
-    except OSError as e:  # a report must never replace the error the user needs to see
-      log.error("hbm_guard: could not write report %s: %s", self.report_path, e)
+        max_class=self._max_class, ladder=[r.to_dict() for r in self._rungs])
+    return self._report.write(data)
 
   # -- calling --------------------------------------------------------------------------
 
   @_api_boundary
   def __call__(self, *args, **kwargs):
-    try:
-      return self._jitted(*args, **kwargs)
-    except _NewSignature as e:
-      key = e.key
-    except ValueError:
-      # State the caller holds in another layout than the plan's (sharded, on host): move
-      # it once; the step returns it in the planned layout, so later calls are direct.
-      if not self._layout:
-        raise
-      return self._jitted(*self._place(args), **kwargs)
-    self._fit(key, args, kwargs)
-    return self._jitted(*self._place(args), **kwargs)
+    if self._many_plans:  # signatures live on several jits: dispatch on the signature
+      key = self._key(args, kwargs)
+    else:
+      hot = self._hot
+      try:
+        return hot(args, kwargs)
+      except _NewSignature as e:
+        key = e.key
+    entry = self._by_signature.get(key) or self._fit(key, args, kwargs)
+    return entry(layout_lib.place(args, entry.layout), kwargs)
+
+  def __get__(self, instance, owner=None):
+    """As a method decorator: binds the instance as the first argument (like a function)."""
+    if instance is None:
+      return self
+    return _Bound(self, instance)
 
   def fit(self, *args, **kwargs) -> plan_lib.Plan:
     """Finds (and installs) the plan that fits these arguments, without running the step."""
-    self._last_scope = None
-    self._make_jit(self._local_plan(self.plan), strict=False).trace(*args, **kwargs)
-    key = self._last_scope.facts["signature"]
-    if key not in self._verified:
-      self._fit(key, args, kwargs)
-    return self.plan
+    key = self._key(args, kwargs)
+    entry = self._by_signature.get(key) or self._fit(key, args, kwargs)
+    return entry.plan if self._target is None else self._plan
+
+  def _any_jit(self):
+    return self._jit(self._local(self._plan), None, 0, None, {})
+
+  def trace(self, *args, **kwargs):
+    return self._any_jit().trace(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
     """Lowers under the plan in force (like jax.jit(...).lower); call fit() first to climb."""
-    return self._make_jit(self._local_plan(self.plan), strict=False).lower(
-        *args, **kwargs)
+    return self._any_jit().lower(*args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
-    return jax.eval_shape(self._make_jit(self._local_plan(self.plan), strict=False),
-                          *args, **kwargs)
+    return jax.eval_shape(self._any_jit(), *args, **kwargs)
+
+
+class _Bound:
+  """A GuardedFunction bound to an instance, as a method."""
+
+  def __init__(self, guarded: GuardedFunction, instance):
+    self._guarded, self._instance = guarded, instance
+    functools.update_wrapper(self, guarded._fun)  # pylint: disable=protected-access
+
+  def __call__(self, *args, **kwargs):
+    return self._guarded(self._instance, *args, **kwargs)
+
+  def fit(self, *args, **kwargs):
+    return self._guarded.fit(self._instance, *args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._guarded.lower(self._instance, *args, **kwargs)
+
+  def __getattr__(self, name):
+    return getattr(self._guarded, name)
 
 
 def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = None,
@@ -497,21 +409,23 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
   """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.
 
   Args:
-    fun: the step. Usable as `@guarded_jit` or `@guarded_jit(...)`.
+    fun: the step. Usable as `@guarded_jit` or `@guarded_jit(...)`, on functions and
+      methods.
     capacity: bytes, "16GiB", or a device name ("v5e"): peak memory from
       `memory_analysis()` above it counts as an out-of-memory (kind "budget"), on any
       backend.
     target: a TPU topology ("v5e:2x2"): climb against libtpu's compiler for it, then run
       locally with the plan that fits the target.
     max_class: the highest rung class allowed: "exact", "numerics" or "behaviour".
-    max_attempts: most compiles per input signature.
+    max_attempts: most compiles per input signature (>= 1).
     ladder: a ladder JSON path or list of rungs; default `configs/ladder.json`.
     state_argnums: arguments the step replaces (state in, state out with the same
       structure), which the guard may donate and shard. Never inferred: the caller may
       still hold an argument the guard cannot see.
     report_dir: where the post-mortem JSON goes (default $HBM_GUARD_REPORT_DIR or
       ./hbm_guard_reports); written atomically after every attempt.
-    auto_fallback: False: diagnose and report, but re-raise the compiler's error as is.
+    auto_fallback: False: diagnose and report, change nothing, and raise (the compiler's
+      own error, or CapacityExceededError for `capacity=`).
     **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
 
   Example:

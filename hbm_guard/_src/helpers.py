@@ -2,7 +2,7 @@
 
 They read the plan at trace time, so the guard can rebuild the step under a new plan:
 - `value_and_grad`: gradient accumulation over the plan's microbatches (same global batch).
-- `checkpoint` / `remat_policy`: per-layer rematerialisation with the plan's policy.
+- `checkpoint` / `current_remat_policy`: per-layer rematerialisation with the plan's policy.
 - `compute_dtype`: the plan's compute dtype for modules that take a `dtype`.
 """
 
@@ -22,14 +22,16 @@ from hbm_guard._src import plan as plan_lib
 _NO_REMAT = "everything_saveable"
 
 
-def remat_policy(prim, *args, **params):
-  """A `jax.checkpoint` policy that follows the plan's `remat_policy` at trace time.
+def current_remat_policy() -> Callable[..., bool]:
+  """The `jax.checkpoint` policy of the plan in force, recording that the step follows it.
 
-  Names are those of `jax.checkpoint_policies`; an "offload_*" name (e.g.
-  "offload_dot_with_no_batch_dims") saves to pinned host memory instead of recomputing.
+  Call it at trace time, where the layer is applied, and pass the result to
+  `jax.checkpoint`: each plan gets its own policy object. (jax caches remat decisions keyed
+  on the policy object, so one policy whose answer changed with the plan would be served
+  the decisions of an earlier trace.) Names are those of `jax.checkpoint_policies`; an
+  "offload_*" name saves to pinned host memory instead of recomputing.
   """
-  name = plan_lib.plan_value("remat_policy") or _NO_REMAT
-  return _policy(name)(prim, *args, **params)
+  return _policy(plan_lib.plan_value("remat_policy") or _NO_REMAT)
 
 
 @functools.cache
@@ -41,8 +43,15 @@ def _policy(name: str):
 
 
 def checkpoint(fun: Callable, **kwargs) -> Callable:
-  """`jax.checkpoint` with the plan's policy. Wrap each layer, not the whole step."""
-  return jax.checkpoint(fun, policy=remat_policy, **kwargs)
+  """`jax.checkpoint` with the plan's policy. Wrap each layer, not the whole step.
+
+  The policy is resolved each time the layer is traced, so a layer wrapped once (at import)
+  follows every plan the guard traces it under, even after a plain `jax.jit` trace.
+  """
+  @functools.wraps(fun)
+  def planned(*args, **kw):
+    return jax.checkpoint(fun, policy=current_remat_policy(), **kwargs)(*args, **kw)
+  return planned
 
 
 def compute_dtype(default: Any = None) -> Any:
@@ -91,7 +100,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
     if batch % k:
       raise errors.UnevenMicrobatchError(
           f"Batch of {batch} examples does not split into {k} microbatches; use a batch "
-          f"divisible by {k} (hbm_guard never drops examples).")
+          f"divisible by {k} (hbm_guard never drops examples).",
+          batch_size=batch, microbatches=k)
     split = {i: jax.tree.map(lambda x: x.reshape((k, batch // k) + x.shape[1:]), args[i])
              for i in batch_argnums}
     diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)

@@ -9,6 +9,7 @@ the microbatch count is computed from the numbers, not found by halving.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import importlib.resources
 import json
@@ -28,6 +29,9 @@ _NEEDS_FIELD = {"remat": "remat_policy", "microbatch": "microbatches", "dtype": 
 HEADROOM = 0.95  # aim below the capacity: estimates are estimates
 
 
+_RUNG_KEYS = frozenset({"name", "kind", "class", "section", "options", "policies", "dtype"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Rung:
   name: str
@@ -40,16 +44,37 @@ class Rung:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Rung":
+    """A rung from its JSON form; anything malformed is an InvalidLadderError."""
+    if not isinstance(d, Mapping):
+      raise errors.InvalidLadderError(f"A rung must be an object, not {d!r}.")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+      raise errors.InvalidLadderError(f"Rung {dict(d)!r} has no 'name'.")
+    unknown = sorted(set(d) - _RUNG_KEYS)
+    if unknown:
+      raise errors.InvalidLadderError(
+          f"Rung {name!r}: unknown key(s) {unknown}; keys are {sorted(_RUNG_KEYS)}.")
     kind, klass = d.get("kind"), d.get("class", "exact")
     if kind not in KINDS:
-      raise errors.InvalidLadderError(f"Rung {d.get('name')!r}: unknown kind {kind!r}; "
+      raise errors.InvalidLadderError(f"Rung {name!r}: unknown kind {kind!r}; "
                                       f"kinds are {', '.join(KINDS)}.")
     if klass not in CLASSES:
-      raise errors.InvalidLadderError(f"Rung {d.get('name')!r}: unknown class {klass!r}; "
+      raise errors.InvalidLadderError(f"Rung {name!r}: unknown class {klass!r}; "
                                       f"classes are {', '.join(CLASSES)}.")
-    return cls(name=d["name"], kind=kind, semantic_class=klass, section=d.get("section", ""),
-               options=tuple(sorted(dict(d.get("options", {})).items())),
-               policies=tuple(d.get("policies", ())), dtype=d.get("dtype"))
+    options, policies, dtype = d.get("options", {}), d.get("policies", ()), d.get("dtype")
+    if not isinstance(options, Mapping):
+      raise errors.InvalidLadderError(f"Rung {name!r}: 'options' must be an object.")
+    if isinstance(policies, str) or not all(isinstance(p, str) for p in policies):
+      raise errors.InvalidLadderError(f"Rung {name!r}: 'policies' must be a list of names.")
+    bad = [p for p in policies if not hasattr(_checkpoint_policies(), p)]
+    if bad:
+      raise errors.InvalidLadderError(
+          f"Rung {name!r}: {bad} are not in jax.checkpoint_policies.")
+    if kind == "dtype" and not isinstance(dtype, str):
+      raise errors.InvalidLadderError(f"Rung {name!r}: a dtype rung needs 'dtype'.")
+    return cls(name=name, kind=kind, semantic_class=klass, section=str(d.get("section", "")),
+               options=tuple(sorted(dict(options).items())), policies=tuple(policies),
+               dtype=dtype)
 
   def to_dict(self) -> dict[str, Any]:
     d = {"name": self.name, "kind": self.kind, "class": self.semantic_class,
@@ -63,6 +88,11 @@ class Rung:
     return d
 
 
+def _checkpoint_policies():
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.checkpoint_policies
+
+
 @functools.cache
 def _default_rungs() -> tuple[Rung, ...]:
   text = importlib.resources.files("hbm_guard.configs").joinpath("ladder.json").read_text()
@@ -74,9 +104,15 @@ def load_ladder(ladder: str | os.PathLike | Sequence[Any] | None = None) -> tupl
   if ladder is None:
     return _default_rungs()
   if isinstance(ladder, (str, os.PathLike)):
-    with open(ladder, encoding="utf-8") as f:
-      data = json.load(f)
-    ladder = data["rungs"] if isinstance(data, dict) else data
+    try:
+      with open(ladder, encoding="utf-8") as f:
+        data = json.load(f)
+    except (OSError, ValueError) as e:
+      raise errors.InvalidLadderError(f"Cannot read ladder {str(ladder)!r}: {e}") from e
+    ladder = data.get("rungs") if isinstance(data, dict) else data
+  if isinstance(ladder, (str, bytes, Mapping)) or not isinstance(ladder, Sequence):
+    raise errors.InvalidLadderError(
+        f"A ladder is a list of rungs (or a JSON file with 'rungs'), not {type(ladder).__name__}.")
   rungs = tuple(r if isinstance(r, Rung) else Rung.from_dict(r) for r in ladder)
   names = [r.name for r in rungs]
   if len(set(names)) != len(names):
@@ -101,52 +137,67 @@ class StepFacts:
     return "*" in self.plan_reads or field in self.plan_reads
 
 
+class SkipKind(enum.Enum):
+  """Why a rung was passed over, as a value the report and advice can act on."""
+  WITHHELD = "withheld"  # its class is above max_class
+  NOT_PLAN_AWARE = "not_plan_aware"  # the step does not read the plan field it changes
+  NOT_APPLICABLE = "not_applicable"  # backend, devices, arguments rule it out
+  ALREADY_APPLIED = "already_applied"
+  CANNOT_CLOSE_GAP = "cannot_close_gap"  # its known saving is smaller than the shortfall
+  FOLDED = "folded"  # free: carried into the next compile instead of compiled alone
+
+
 @dataclasses.dataclass(frozen=True)
 class Skip:
   rung: str
   reason: str
+  kind: SkipKind = SkipKind.NOT_APPLICABLE
+
+  def to_dict(self) -> dict[str, str]:
+    return {"rung": self.rung, "reason": self.reason, "kind": self.kind.value}
 
 
-def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str) -> str | None:
-  """None if the rung can be applied to `plan`; else why not."""
+def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
+            ) -> tuple[SkipKind, str] | None:
+  """None if the rung can be applied to `plan`; else (kind, why not)."""
   if CLASSES.index(rung.semantic_class) > CLASSES.index(max_class):
-    return (f"withheld: class '{rung.semantic_class}' is above the allowed '{max_class}' "
-            "(allow it with max_class=...)")
+    return SkipKind.WITHHELD, (f"withheld: class '{rung.semantic_class}' is above the "
+                               f"allowed '{max_class}' (allow it with max_class=...)")
   if rung.kind in _NEEDS_FIELD and not facts.reads(_NEEDS_FIELD[rung.kind]):
-    return ("the step is not plan-aware for this rung (build it with hbm_guard's helpers, "
+    return SkipKind.NOT_PLAN_AWARE, ("the step is not plan-aware for this rung (build it with hbm_guard's helpers, "
             "e.g. hbm_guard.value_and_grad / integrations.flax remat)")
   if rung.kind == "donate":
     if not facts.state_argnums:
-      return "no argument is declared replaced by the step (pass state_argnums=...)"
+      return SkipKind.NOT_APPLICABLE, "no argument is declared replaced by the step (pass state_argnums=...)"
     if set(facts.state_argnums) <= set(plan.donate_argnums):
-      return "already donated"
+      return SkipKind.ALREADY_APPLIED, "already donated"
   if rung.kind == "reshard":
     if facts.num_devices < 2:
-      return f"needs several devices; {facts.num_devices} present"
+      return SkipKind.NOT_APPLICABLE, f"needs several devices; {facts.num_devices} present"
     if not facts.can_reshard:
-      return "in_shardings were given to guarded_jit: the guard does not override them"
+      return SkipKind.NOT_APPLICABLE, "in_shardings were given to guarded_jit: the guard does not override them"
     if not facts.state_argnums:
-      return "no state argument to shard (pass state_argnums=...)"
+      return SkipKind.NOT_APPLICABLE, "no state argument to shard (pass state_argnums=...)"
     if plan.shard_state:
-      return "state already sharded"
+      return SkipKind.ALREADY_APPLIED, "state already sharded"
   if rung.kind == "compiler_options":
     if facts.platform != "tpu":
-      return f"XLA:TPU flags; compiling for {facts.platform}"
+      return SkipKind.NOT_APPLICABLE, f"XLA:TPU flags; compiling for {facts.platform}"
     if all(dict(plan.compiler_options).get(k) == v for k, v in rung.options):
-      return "options already set"
+      return SkipKind.ALREADY_APPLIED, "options already set"
   if rung.kind == "remat" and _next_policy(rung, plan, facts) is None:
-    return "every remat policy already tried"
+    return SkipKind.ALREADY_APPLIED, "every remat policy already tried"
   if rung.kind == "offload":
     if not facts.has_host_memory:
-      return "no host memory space on this backend"
+      return SkipKind.NOT_APPLICABLE, "no host memory space on this backend"
     if not facts.offload_bytes:
-      return "no optimizer state among the state arguments (see offload_filter)"
+      return SkipKind.NOT_APPLICABLE, "no optimizer state among the state arguments (see offload_filter)"
     if not facts.can_reshard:
-      return "in_shardings were given to guarded_jit: the guard does not override them"
+      return SkipKind.NOT_APPLICABLE, "in_shardings were given to guarded_jit: the guard does not override them"
     if plan.offload_optimizer:
-      return "already offloaded"
+      return SkipKind.ALREADY_APPLIED, "already offloaded"
   if rung.kind == "dtype" and plan.compute_dtype == rung.dtype:
-    return f"already {rung.dtype}"
+    return SkipKind.ALREADY_APPLIED, f"already {rung.dtype}"
   return None
 
 
@@ -264,24 +315,27 @@ def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
   for rung in rungs:
     if rung.kind not in ("remat", "microbatch") and rung.name in candidate.rungs:
       continue
-    why = applies(rung, candidate, facts, max_class)
-    if why is not None:
-      if not (rung.name in plan.rungs and why.startswith("already")):
-        skips.append(Skip(rung.name, why))
+    passed = applies(rung, candidate, facts, max_class)
+    if passed is not None:
+      kind, why = passed
+      if not (rung.name in plan.rungs and kind is SkipKind.ALREADY_APPLIED):
+        skips.append(Skip(rung.name, why, kind))
       continue
     bound = saving_bound(rung, facts)
     new, why = apply(rung, candidate, facts, rec, temp_bytes, measured)
     if new is None:
-      skips.append(Skip(rung.name, why))
+      skips.append(Skip(rung.name, why, SkipKind.CANNOT_CLOSE_GAP))
       continue
     if bound is not None and gap is not None and gap > 0 and folded + bound < gap:
       if rung.kind in _FOLDABLE:
         folded += bound
         candidate = new
         skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed: "
-                                     "carried into the next compile, not compiled alone"))
+                                     "carried into the next compile, not compiled alone",
+                          SkipKind.FOLDED))
         continue
-      skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed"))
+      skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed",
+                        SkipKind.CANNOT_CLOSE_GAP))
       continue
     return new, skips
   if candidate != plan:  # only free rungs were left: still worth one compile

@@ -17,10 +17,10 @@ def build(*, function: str, status: str, attempts: list[dict[str, Any]],
           final_plan: dict[str, Any] | None, target: str | None, capacity_bytes: int | None,
           max_class: str, ladder: list[dict[str, Any]], note: str | None = None
           ) -> dict[str, Any]:
-  """The report as a dict. status: climbing | fits | exhausted | failed."""
+  """The report as a dict. status: climbing | fits | exhausted | diagnosed | failed."""
   last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
   withheld = sorted({s["rung"] for a in attempts for s in a.get("skipped", ())
-                     if s["reason"].startswith("withheld")})
+                     if s.get("kind") == "withheld"})
   return {
       "schema": SCHEMA,
       "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -37,6 +37,38 @@ def build(*, function: str, status: str, attempts: list[dict[str, Any]],
       "ladder": ladder,
       "note": note,
   }
+
+
+def default_dir() -> str:
+  return os.environ.get("HBM_GUARD_REPORT_DIR") or "hbm_guard_reports"
+
+
+class Writer:
+  """Owns one report file: its path, and writing it atomically after every attempt.
+
+  `path` stays None until a write succeeded, so nothing ever names a report that is not
+  there; a failed write is logged, never raised over the error the user needs to see.
+  """
+
+  def __init__(self, directory: str | None, stem: str):
+    self._target = os.path.abspath(os.path.join(directory or default_dir(), stem + ".json"))
+    self.path: str | None = None
+
+  def write(self, data: dict[str, Any]) -> bool:
+    try:
+      write_atomic(self._target, data)
+    except (OSError, TypeError, ValueError) as e:
+      from absl import logging  # pylint: disable=g-import-not-at-top
+      logging.error("hbm_guard: could not write report %s: %s", self._target, e)
+      return False
+    self.path = self._target
+    return True
+
+
+def is_report(data: Any) -> bool:
+  return (isinstance(data, dict) and isinstance(data.get("schema"), str)
+          and data["schema"].startswith("hbm_guard.report/")
+          and isinstance(data.get("attempts"), list))
 
 
 def write_atomic(path: str, data: dict[str, Any]) -> None:

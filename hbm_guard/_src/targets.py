@@ -39,13 +39,22 @@ def hbm_bytes(name: str) -> int:
 
 
 def parse_capacity(capacity: int | str | None) -> int | None:
-  """16 * 2**30, "16GiB", "16G" or a device name ("v5e") -> bytes."""
-  if capacity is None or isinstance(capacity, int):
-    return capacity
-  size = record_lib.parse_size(capacity)
-  if size is not None and size > 0:
-    return size
-  return hbm_bytes(capacity)
+  """16 * 2**30, "16GiB", "16G" or a device name ("v5e") -> bytes (a positive int)."""
+  if capacity is None:
+    return None
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, str)):
+    raise errors.UnknownTargetError(
+        f"capacity={capacity!r}: give bytes (an int), a size such as '16GiB', or a device "
+        "name such as 'v5e'.")
+  if isinstance(capacity, int):
+    size = capacity
+  else:
+    size = record_lib.parse_size(capacity)
+    if size is None:
+      return hbm_bytes(capacity)
+  if size <= 0:
+    raise errors.UnknownTargetError(f"capacity={capacity!r} must be positive.")
+  return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +89,33 @@ def _topology(name: str, chips: tuple[int, ...]):
     topo = topologies.get_topology_desc(
         platform="tpu", topology_name=name, chip_config_name="default",
         chips_per_host_bounds=bounds, num_slices=1)
-  except Exception as e:  # libtpu missing, or a topology it does not know
-    raise errors.UnknownTargetError(
-        f"Cannot compile for {name!r} here: {e}. Install the 'tpu' extra "
-        "(pip install 'hbm_guard[tpu]') for libtpu.") from e
+  except Exception as e:  # libtpu missing or busy, or a topology it does not know
+    text = str(e)
+    if "lockfile" in text or "already in use" in text:
+      raise errors.TpuCompilerBusyError(
+          f"Cannot compile for {name!r}: another process holds libtpu ({text.strip()}). "
+          "Set ALLOW_MULTIPLE_LIBTPU_LOAD=1 in each process that loads it, or wait for the "
+          "other process to finish.") from e
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    if importlib.util.find_spec("libtpu") is None:
+      hint = "Install the 'tpu' extra (pip install 'hbm_guard[tpu]') for libtpu."
+    else:
+      hint = "Check the topology name (e.g. 'v5e:2x2', 'v5p:2x2x1', 'v6e:1x1')."
+    raise errors.UnknownTargetError(f"Cannot compile for {name!r} here: {text}. {hint}") from e
   return tuple(topo.devices)
+
+
+def quiet_libtpu_on_cpu_host() -> None:
+  """Keeps libtpu's start-up warnings (TPU_ACCELERATOR_TYPE, worker hostnames) off a host
+  with no TPU, where it is loaded only to compile for topologies. Call before jax starts
+  its backends; a TPU host, or settings the user made, are left alone."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return
+  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                     ("TPU_ACCELERATOR_TYPE", "v5litepod-4")):
+    os.environ.setdefault(key, value)
 
 
 def local_backend() -> str:

@@ -1,0 +1,113 @@
+"""The climb: compile under a plan, read what failed, choose the next plan, until one fits.
+
+A plain function of a compile function and a ladder, so it can be tested and reused (the
+guard, preflight) without a jit in sight. Side effects are the callbacks' business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Sequence
+
+from absl import logging
+
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import diagnose as diagnose_lib
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import record as record_lib
+
+_MAX_REFITS = 4  # microbatch counts re-chosen for an uneven batch before giving up
+
+
+class Status(str, enum.Enum):
+  FITS = "fits"
+  EXHAUSTED = "exhausted"  # no allowed plan fits
+  DIAGNOSED = "diagnosed"  # does not fit; auto fallback off, so nothing was changed
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+  """One compile of the step under one plan, and what the compiler said."""
+  number: int
+  plan: plan_lib.Plan
+  outcome: str  # "fits" | "oom"
+  seconds: float
+  record: record_lib.E1000Record | None = None
+  diagnosis: diagnose_lib.Diagnosis | None = None
+  memory: dict[str, int] | None = None  # from compiled.memory_analysis()
+  skipped: tuple[ladder_lib.Skip, ...] = ()  # rungs passed over to choose the next plan
+  signature: str = ""  # the input shapes this attempt was for
+  loss_form: str | None = None  # how the step's value_and_grad reduced its loss
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+        "number": self.number, "plan": self.plan.to_dict(), "described": self.plan.describe(),
+        "outcome": self.outcome, "seconds": round(self.seconds, 3),
+        "signature": self.signature, "loss_form": self.loss_form,
+        "record": self.record.to_dict() if self.record else None,
+        "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
+        "memory": self.memory,
+        "skipped": [s.to_dict() for s in self.skipped],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  status: Status
+  plan: plan_lib.Plan  # the plan that fits, or the last one tried
+  attempts: tuple[Attempt, ...]
+  last: compile_lib.Trial
+
+
+def divisor_at_least(n: int, k: int) -> int:
+  """The smallest divisor of n that is >= k (n itself when k > n)."""
+  return next((d for d in range(max(1, k), n + 1) if n % d == 0), n)
+
+
+def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_lib.Plan, *,
+          rungs: Sequence[ladder_lib.Rung], max_class: str, max_attempts: int,
+          auto_fallback: bool, step_facts: Callable[[compile_lib.Trial], ladder_lib.StepFacts],
+          first_number: int = 1, signature: str = "",
+          on_attempt: Callable[[Attempt], None] = lambda a: None) -> Result:
+  """Compiles from `start` up the ladder until a plan fits, nothing allowed can, or
+  `max_attempts` compiles were spent. With `auto_fallback` off, stops after the first."""
+  attempts: list[Attempt] = []
+  plan = start
+  refits = 0
+  while True:
+    trial = try_plan(plan)
+    if trial.outcome is compile_lib.Outcome.UNEVEN:  # not compiled: choose a count that divides
+      batch = trial.uneven.batch_size
+      refits += 1
+      if refits > _MAX_REFITS or not batch:
+        raise trial.uneven
+      plan = dataclasses.replace(plan, microbatches=divisor_at_least(batch, plan.microbatches))
+      continue
+    number = first_number + len(attempts)
+    loss_form = trial.facts.loss_form if trial.facts else None
+    if trial.outcome is compile_lib.Outcome.FITS:
+      attempt = Attempt(number, plan, "fits", trial.seconds, memory=trial.memory,
+                        signature=signature, loss_form=loss_form)
+      attempts.append(attempt)
+      on_attempt(attempt)
+      return Result(Status.FITS, plan, tuple(attempts), trial)
+    rec = trial.record
+    diag = diagnose_lib.diagnose(rec)
+    nxt, skips = None, []
+    if auto_fallback:
+      history = [(a.plan, a.record.required_bytes) for a in attempts if a.record is not None]
+      nxt, skips = ladder_lib.next_plan(
+          rungs, plan, step_facts(trial), rec, max_class,
+          temp_bytes=(trial.memory or {}).get("temp") or rec.temp_bytes, history=history)
+    attempt = Attempt(number, plan, "oom", trial.seconds, rec, diag, trial.memory,
+                      tuple(skips), signature, loss_form)
+    attempts.append(attempt)
+    on_attempt(attempt)
+    if not auto_fallback:
+      return Result(Status.DIAGNOSED, plan, tuple(attempts), trial)
+    if nxt is None or len(attempts) >= max_attempts:
+      return Result(Status.EXHAUSTED, plan, tuple(attempts), trial)
+    logging.info("hbm_guard: next plan %s", nxt.describe())
+    plan = nxt

@@ -1,0 +1,107 @@
+"""Where a plan puts the step's state: FSDP shardings, host offload, abstract arguments.
+
+Pure functions of the plan and the arguments; moving the caller's arrays (`place`) is the
+one side effect, and it happens once: the step returns its state in the planned layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hbm_guard._src import plan as plan_lib
+
+Layout = Mapping[int, Any]  # argnum -> a tree of NamedSharding like that argument
+
+
+def default_offload_filter(path: str) -> bool:
+  """Which state leaves are optimizer state, by their key path (flax TrainState, optax)."""
+  return "opt_state" in path
+
+
+def nbytes(tree) -> int:
+  return sum(int(np.prod(np.shape(x))) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
+             for x in jax.tree_util.tree_leaves(tree))
+
+
+def offload_bytes(tree, offload_filter: Callable[[str], bool]) -> int:
+  return sum(nbytes(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+             if offload_filter(jax.tree_util.keystr(path)))
+
+
+def fsdp_spec(shape, n: int) -> P:
+  """Shard the largest dimension divisible by n over the 'fsdp' axis; else replicate."""
+  for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    if shape[d] >= n and shape[d] % n == 0:
+      spec = [None] * len(shape)
+      spec[d] = "fsdp"
+      return P(*spec)
+  return P()
+
+
+def plan_layout(plan: plan_lib.Plan, args, state_argnums: Iterable[int], devices,
+                offload_filter: Callable[[str], bool]) -> dict[int, Any] | None:
+  """Shardings for the state arguments under `plan`: FSDP, host offload, or None."""
+  state_argnums = tuple(state_argnums)
+  if not (plan.shard_state or plan.offload_optimizer) or not state_argnums:
+    return None
+  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+  n = len(devices) if plan.shard_state else 1
+
+  def leaf(path, x):
+    host = plan.offload_optimizer and offload_filter(jax.tree_util.keystr(path))
+    spec = fsdp_spec(np.shape(x), n) if plan.shard_state else P()
+    return NamedSharding(mesh, spec, memory_kind="pinned_host" if host else "device")
+
+  return {i: jax.tree_util.tree_map_with_path(leaf, args[i]) for i in state_argnums}
+
+
+def out_shardings(layout: Layout, replaced: tuple[tuple[int, int | None], ...],
+                  n_outputs: int | None):
+  """The step returns its state where the layout keeps it; other outputs where jax likes."""
+  whole = [i for i, j in replaced if j is None and i in layout]
+  if whole:
+    return layout[whole[0]]
+  by_out = {j: layout[i] for i, j in replaced if i in layout}
+  return tuple(by_out.get(j) for j in range(n_outputs or 0))
+
+
+def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[int],
+                  static_argnames: Iterable[str], devices=None):
+  """Arguments to lower with: state as planned; on a target's devices, the rest replicated."""
+  static, static_names = set(static_argnums), set(static_argnames)
+  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",)) if devices is not None else None
+
+  def abstract(x, sharding):
+    scalar = not hasattr(x, "dtype")  # a Python scalar traces weakly typed, as under jit
+    weak = scalar or bool(getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if scalar else x.dtype,
+                                sharding=sharding, weak_type=weak)
+
+  def other(x):
+    return abstract(x, NamedSharding(mesh, P())) if mesh is not None else x
+
+  out = []
+  for i, a in enumerate(args):
+    if i in static:
+      out.append(a)
+    elif layout and i in layout:
+      out.append(jax.tree.map(abstract, a, layout[i]))
+    else:
+      out.append(jax.tree.map(other, a))
+  kw = {k: (v if k in static_names else jax.tree.map(other, v)) for k, v in kwargs.items()}
+  return tuple(out), kw
+
+
+def place(args, layout: Layout | None):
+  """Moves the caller's state arguments to the planned layout (a no-op once there)."""
+  if not layout:
+    return args
+  args = list(args)
+  for i, sharding in layout.items():
+    args[i] = jax.device_put(args[i], sharding)
+  return tuple(args)

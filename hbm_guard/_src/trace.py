@@ -1,0 +1,74 @@
+"""What the guard learns from the arguments and from a trace: signatures and replaced state.
+
+A signature is what makes jax trace anew (tree structure, shapes, dtypes, weak types,
+static values). The same function computes it from concrete arguments (to dispatch) and
+from tracers (inside the traced step), so both agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterable
+
+import jax
+
+
+def _leaf_key(x) -> Hashable:
+  if hasattr(x, "shape") and hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex)):
+    try:
+      aval = jax.typeof(x)
+      return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+    except TypeError:
+      pass
+  try:
+    hash(x)
+    return ("static", type(x).__name__, x)
+  except TypeError:
+    return ("unhashable", type(x).__name__, id(x))
+
+
+def signature(args: tuple, kwargs: dict, static_argnums: Iterable[int] = (),
+              static_argnames: Iterable[str] = ()) -> Hashable:
+  """The input signature: static arguments by value, the rest by abstract value."""
+  static = set(static_argnums)
+  names = set(static_argnames)
+  statics = tuple((i, _leaf_key(a)) for i, a in enumerate(args) if i in static)
+  static_kw = tuple(sorted((k, _leaf_key(v)) for k, v in kwargs.items() if k in names))
+  dynamic = ([a for i, a in enumerate(args) if i not in static],
+             {k: v for k, v in kwargs.items() if k not in names})
+  leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+  return (statics, static_kw, treedef, tuple(_leaf_key(x) for x in leaves))
+
+
+def describe(key: Hashable) -> str:
+  """A short human form of a signature: the shapes of its array leaves."""
+  try:
+    shapes = [f"{dtype}{list(shape)}" for shape, dtype, _ in
+              (leaf for leaf in key[3] if isinstance(leaf[0], tuple))]
+  except (TypeError, IndexError, ValueError):
+    return "?"
+  text = ", ".join(shapes[:6])
+  return text + (f", ... ({len(shapes)} arrays)" if len(shapes) > 6 else "")
+
+
+def _avals_equal(a, b) -> bool:
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  return ta == tb and all(_leaf_key(x)[:2] == _leaf_key(y)[:2] for x, y in zip(la, lb))
+
+
+def replaced_state(args, out, state_argnums: Iterable[int]) -> tuple[tuple[int, Any], ...]:
+  """State arguments the step returns anew with the same structure: safe to donate.
+
+  Returns (argnum, output index) pairs; the index is None when the whole output is it.
+  """
+  found = []
+  for i in state_argnums:
+    if i >= len(args):
+      continue
+    if _avals_equal(args[i], out):
+      found.append((i, None))
+    elif isinstance(out, (tuple, list)):
+      j = next((j for j, o in enumerate(out) if _avals_equal(args[i], o)), None)
+      if j is not None:
+        found.append((i, j))
+  return tuple(found)
