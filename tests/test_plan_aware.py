@@ -59,7 +59,7 @@ def test_value_and_grad_matches_whole_batch_with_aux():
   with plan_lib.plan_scope(hbm_guard.Plan(microbatches=3)):
     (l3, aux3), g3 = jax.jit(lambda *a: vg(*a))(w, x, y)
   np.testing.assert_allclose(l3, l1, rtol=1e-6)
-  np.testing.assert_allclose(g3, g1, rtol=1e-5)
+  np.testing.assert_allclose(g3, g1, rtol=1e-5, atol=1e-6)  # an element near 0 (3.11: 7.5e-9 off)
   np.testing.assert_allclose(aux3["mae"], aux1["mae"], rtol=1e-6)
   assert int(aux3["n"]) == 24  # integer aux (counts) are summed over microbatches
 

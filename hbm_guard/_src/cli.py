@@ -110,7 +110,15 @@ def _report(args, out: TextIO) -> int:
   except (OSError, ValueError) as e:
     print(f"hbm-guard report: cannot read {args.file}: {e}", file=sys.stderr)
     return 2
-  print(report_lib.render(data), file=out)
+  if not report_lib.is_report(data):
+    print(f"hbm-guard report: {args.file} is not an hbm_guard report (no "
+          f"'schema': 'hbm_guard.report/...' with 'attempts').", file=sys.stderr)
+    return 2
+  try:
+    print(report_lib.render(data), file=out)
+  except (KeyError, TypeError, ValueError) as e:
+    print(f"hbm-guard report: {args.file} is a damaged report: {e!r}", file=sys.stderr)
+    return 2
   return 0
 
 
