@@ -83,24 +83,41 @@ def guarded_train_step(loss_fn: Callable, *, has_aux: bool = False, **guard_opti
   return guard_lib.guarded_jit(train_step(loss_fn, has_aux=has_aux), **guard_options)
 
 
-def nnx_train_step(loss_fn: Callable, tx: Any, graphdef: Any) -> Callable:
-  """A plan-aware functional step for nnx: `step((params, opt_state), batch)`.
+def nnx_train_step(loss_fn: Callable, graphdef: Any, *, has_aux: bool = False,
+                   weighted: bool = False) -> Callable:
+  """A plan-aware step for an `nnx.Module` trained by an `nnx.Optimizer`.
 
-  `loss_fn(model, batch)` returns the mean loss; `graphdef` comes from `nnx.split(model)`
-  and `tx` is an optax transformation. Returns the new `(params, opt_state)` and
-  `{"loss": ...}`, so the guard can donate the state (state_argnums=0).
+      graphdef, state = nnx.split((model, optimizer))
+      step = hbm_guard.guarded_jit(hg_flax.nnx_train_step(loss_fn, graphdef),
+                                   state_argnums=0, max_class="numerics", ...)
+      state, metrics = step(state, batch)
+      nnx.update((model, optimizer), state)   # when you want the objects back
+
+  `loss_fn(model, batch)` returns the mean loss (with `has_aux`: `(loss, aux)`), or with
+  `weighted=True` `(sum_of_losses, sum_of_weights)` (see `hbm_guard.value_and_grad`).
+  Gradients are taken of the model's `nnx.Param`s through `hbm_guard.value_and_grad`
+  (microbatch rung); the optimizer's state comes to the device only for the update
+  (offload rung); `remat` and `compute_dtype` inside the model reach the rest. Returns the
+  new state and `{"loss": ..., "aux": ...}`. Model state other than parameters (batch
+  statistics, RNG counters) is read, not updated, by the step.
   """
-  import optax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   def step(state, batch):
-    params, opt_state = state
+    model, optimizer = nnx.merge(graphdef, state)
+    model_def, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p, b):
-      return loss_fn(nnx.merge(graphdef, p), b)
-    value, grads = helpers.value_and_grad(loss, batch_argnums=1)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return (params, opt_state), {"loss": value}
+      return loss_fn(nnx.merge(model_def, p, rest), b)
+    out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux,
+                                        weighted=weighted)(params, batch)
+    value, aux = out if has_aux else (out, None)
+    nnx.update(optimizer, helpers.load_offloaded(nnx.state(optimizer)))
+    optimizer.update(model, grads)
+    nnx.update(optimizer, helpers.store_offloaded(nnx.state(optimizer)))
+    metrics = {"loss": value}
+    if aux is not None:
+      metrics["aux"] = aux
+    return nnx.state((model, optimizer)), metrics
 
   return step

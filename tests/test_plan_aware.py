@@ -65,7 +65,7 @@ def test_value_and_grad_matches_whole_batch_with_aux():
 
 
 def test_uneven_batch_is_an_error_that_says_what_to_do():
-  vg = hbm_guard.value_and_grad(lambda w, x: (x @ w).mean())
+  vg = hbm_guard.value_and_grad(lambda w, x: (x @ w).mean(), batch_argnums=1)
   with plan_lib.plan_scope(hbm_guard.Plan(microbatches=4)):
     with pytest.raises(hbm_guard.UnevenMicrobatchError, match="divisible by 4"):
       jax.jit(vg)(jnp.ones(3), jnp.ones((10, 3)))
@@ -79,7 +79,7 @@ def test_guard_climbs_to_microbatching_on_cpu_and_training_is_unchanged(tmp_path
     return (h ** 2).mean()
 
   def step(w, x):
-    value, g = hbm_guard.value_and_grad(loss)(w, x)
+    value, g = hbm_guard.value_and_grad(loss, batch_argnums=1)(w, x)
     return w - 0.1 * g, value
 
   w, x = jnp.full((256, 256), 0.01), jnp.ones((512, 256))
@@ -111,11 +111,9 @@ def test_nnx_step_with_remat_and_microbatches_matches_the_plain_step():
       block = hg_flax.remat(lambda layer, h: jnp.tanh(layer(h)))  # per-layer remat by plan
       return self.l2(block(self.l1, x))
 
-  graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
-  tx = optax.adam(1e-2)
-  step = hg_flax.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), tx,
-                                graphdef)
-  state = (params, tx.init(params))
+  model = MLP(nnx.Rngs(0))
+  graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)))
+  step = hg_flax.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), graphdef)
   batch = {"x": jax.random.normal(jax.random.key(0), (32, 16)),
            "y": jax.random.normal(jax.random.key(1), (32, 16))}
   plain, _ = _compiled(step, hbm_guard.Plan(), state, batch)

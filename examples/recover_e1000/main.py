@@ -9,6 +9,7 @@ from absl import flags
 
 from hbm_guard import flags as hbm_flags
 from hbm_guard._src import report as report_lib
+from hbm_guard._src import targets
 from examples.recover_e1000 import train
 
 _STEPS = flags.DEFINE_integer("steps", 5, "Training steps to run after the plan fits.")
@@ -24,6 +25,7 @@ flags.FLAGS.set_default("hbm_guard_max_class", "numerics")
 
 def main(argv):
   del argv
+  targets.quiet_libtpu_on_cpu_host()  # libtpu only compiles here: keep its start-up quiet
   cfg = train.Config(steps=_STEPS.value, batch=_BATCH.value)
   losses, step = train.train(cfg, **hbm_flags.guard_options())
   for a in step.attempts:

@@ -60,80 +60,168 @@ def compute_dtype(default: Any = None) -> Any:
   return jnp.dtype(name) if name else default
 
 
-def _combine_aux(aux):
-  """Microbatch aux outputs: floats are averaged, integers and bools summed (counts)."""
+def _is_per_example(x, micro: int) -> bool:
+  return getattr(x, "ndim", 0) >= 2 and x.shape[1] == micro  # stacked: (k, micro, ...)
+
+
+def _combine_aux(stacked, micro: int, weights=None):
+  """Microbatch aux outputs, stacked on a leading k axis, back to the whole batch's.
+
+  Per-example arrays (leading axis = the microbatch) are concatenated; float scalars and
+  other float arrays are averaged (weighted by each microbatch's loss weight when the
+  loss is weighted); integer and bool arrays are summed (counts).
+  """
   def one(x):
+    if _is_per_example(x, micro):
+      return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
     if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
-      return x.mean(axis=0)
+      if weights is None:
+        return x.mean(axis=0)
+      w = (weights / weights.sum()).reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+      return (x * w).sum(axis=0)
     return x.sum(axis=0)
-  return jax.tree.map(one, aux)
+  return jax.tree.map(one, stacked)
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
-                   batch_argnums: int | Sequence[int] = 1, has_aux: bool = False) -> Callable:
+                   batch_argnums: int | Sequence[int] | None = None,
+                   batch_argnames: Sequence[str] = (), has_aux: bool = False,
+                   weighted: bool = False, rng_argnums: int | Sequence[int] = (),
+                   reduce_aux: Callable[[Any], Any] | None = None) -> Callable:
   """`jax.value_and_grad` that splits the batch into the plan's microbatches.
 
-  With k microbatches the batch arguments (leading axis = examples) are split into k
-  equal parts, gradients accumulated with `lax.scan`, and the mean loss and mean gradient
-  returned: the same values as the whole batch for mean-reduced losses (to float
-  rounding). Aux outputs are combined: floating arrays averaged over microbatches, integer
-  and bool arrays summed. Losses that are not means over examples, and layers that
-  use batch statistics (BatchNorm), see microbatches, not the global batch.
+  With k microbatches the batch arguments (leading axis = examples; by position
+  `batch_argnums` and/or keyword `batch_argnames`) are split into k equal parts and the
+  gradients accumulated with `lax.scan`, so the global batch is the same.
 
-  Raises UnevenMicrobatchError when the batch does not divide into k.
+  The loss, two forms:
+  - `weighted=False`: `fun` returns the mean over examples. The mean of the microbatch
+    means is the batch mean for equal microbatches: exact to float rounding. A weighted
+    mean written inside `fun` (`sum(loss * w) / sum(w)`, the usual token-weighted LM loss)
+    is NOT exact under microbatching: each microbatch divides by its own weight.
+  - `weighted=True`: `fun` returns `(sum_of_losses, sum_of_weights)` (with `has_aux`:
+    `((sum, weight), aux)`). Sums and weights are accumulated and divided once: the result
+    is the weighted mean over the whole batch and its exact gradient, however the batch is
+    split. Migrating is one line: return `(jnp.sum(loss * w), jnp.sum(w))` instead of
+    `jnp.sum(loss * w) / jnp.sum(w)`.
+
+  Aux outputs come back as for the whole batch: per-example arrays are concatenated to the
+  global batch; float arrays averaged (weighted by the loss weights when `weighted`);
+  integer and bool arrays summed. `reduce_aux(stacked)` replaces that for everything: it
+  gets the aux with a leading microbatch axis. Random keys in `rng_argnums` are folded with
+  the microbatch index, so each microbatch draws its own dropout mask: the masks differ
+  from those the whole batch would draw (the same distribution, other samples).
+  Layers with batch statistics (BatchNorm) see microbatches. Raises UnevenMicrobatchError
+  when the batch does not divide into k.
   """
-  batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+  if batch_argnums is None and not batch_argnames:
+    raise TypeError("hbm_guard.value_and_grad: say which arguments hold the batch "
+                    "(batch_argnums=... or batch_argnames=...).")
+  batch_argnums = _as_tuple(batch_argnums)
+  batch_argnames = tuple(batch_argnames)
+  rng_argnums = _as_tuple(rng_argnums)
+  diff = _as_tuple(argnums)
+
+  if weighted:
+    def summed(*args, **kwargs):
+      out = fun(*args, **kwargs)
+      (total, weight), aux = out if has_aux else (out, None)
+      return total, (weight, aux)
+    vg = jax.value_and_grad(summed, argnums=argnums, has_aux=True)
+  else:
+    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def unpack(out):
+    """(loss sum or mean, weight or None, aux or None) from one vg output."""
+    if weighted:
+      total, (weight, aux) = out
+      return total, weight, aux
+    if has_aux:
+      return out[0], None, out[1]
+    return out, None, None
+
+  def pack(loss, aux):
+    return (loss, aux) if has_aux else loss
 
   @functools.wraps(fun)
-  def wrapped(*args):
+  def wrapped(*args, **kwargs):
     k = plan_lib.plan_value("microbatches")
-    sizes = {x.shape[0] for i in batch_argnums for x in jax.tree.leaves(args[i])
-             if getattr(x, "ndim", 0) >= 1}
+    plan_lib.note_fact("loss_form", "weighted_sum" if weighted else "mean")
+    batch_leaves = [x for i in batch_argnums for x in jax.tree.leaves(args[i])]
+    batch_leaves += [x for n in batch_argnames if n in kwargs for x in jax.tree.leaves(kwargs[n])]
+    sizes = {x.shape[0] for x in batch_leaves if getattr(x, "ndim", 0) >= 1}
     if len(sizes) > 1:
-      raise ValueError(f"hbm_guard.value_and_grad: batch arguments {batch_argnums} have "
-                       f"different leading sizes {sorted(sizes)}.")
+      raise ValueError(f"hbm_guard.value_and_grad: batch arguments have different leading "
+                       f"sizes {sorted(sizes)}.")
     batch = sizes.pop() if sizes else None
     plan_lib.note_fact("batch_size", batch)
     if k == 1 or batch is None:
-      return vg(*args)
+      out, grads = vg(*args, **kwargs)
+      loss, weight, aux = unpack(out)
+      if not weighted:
+        return pack(loss, aux), grads
+      grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+      return pack(loss / weight, aux), grads
     if batch % k:
       raise errors.UnevenMicrobatchError(
           f"Batch of {batch} examples does not split into {k} microbatches; use a batch "
           f"divisible by {k} (hbm_guard never drops examples).",
           batch_size=batch, microbatches=k)
-    split = {i: jax.tree.map(lambda x: x.reshape((k, batch // k) + x.shape[1:]), args[i])
-             for i in batch_argnums}
-    diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    micro = batch // k
+
+    def split(tree):
+      return jax.tree.map(lambda x: x.reshape((k, micro) + x.shape[1:]), tree)
+
+    parts = ({i: split(args[i]) for i in batch_argnums},
+             {n: split(kwargs[n]) for n in batch_argnames if n in kwargs})
 
     def grads_like(i):
       return jax.tree.map(
           lambda x: jnp.zeros(jnp.shape(x), _acc_dtype(jnp.result_type(x))), args[i])
 
     zero = grads_like(diff[0]) if isinstance(argnums, int) else tuple(grads_like(i) for i in diff)
+    loss_dtype = []
 
-    seen_dtype = []
-
-    def body(carry, micro):
-      loss_sum, grad_sum = carry
-      call = list(args)
+    def body(carry, xs):
+      (pos, named), index = xs
+      loss_sum, weight_sum, grad_sum = carry
+      call, call_kw = list(args), dict(kwargs)
       for i in batch_argnums:
-        call[i] = micro[i]
-      out, g = vg(*call)
-      loss, aux = out if has_aux else (out, None)
-      seen_dtype.append(loss.dtype)
+        call[i] = pos[i]
+      call_kw.update(named)
+      for i in rng_argnums:
+        call[i] = jax.random.fold_in(args[i], index)
+      out, g = vg(*call, **call_kw)
+      loss, weight, aux = unpack(out)
+      loss_dtype.append(loss.dtype)
       grad_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grad_sum, g)
-      return (loss_sum + loss.astype(jnp.float32), grad_sum), aux
+      weight = jnp.zeros((), jnp.float32) if weight is None else weight.astype(jnp.float32)
+      return ((loss_sum + loss.astype(jnp.float32), weight_sum + weight, grad_sum),
+              (aux, weight))
 
-    (loss_sum, grad_sum), auxs = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero), split)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero)
+    (loss_sum, weight_sum, grad_sum), (auxs, weights) = jax.lax.scan(
+        body, init, (parts, jnp.arange(k)))
+    denom = weight_sum if weighted else jnp.float32(k)
     ref = args[diff[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff)
-    grads = jax.tree.map(lambda s, r: (s / k).astype(jnp.result_type(r)), grad_sum, ref)
-    loss = (loss_sum / k).astype(seen_dtype[0])
+    grads = jax.tree.map(lambda s, r: (s / denom.astype(s.dtype)).astype(jnp.result_type(r)),
+                         grad_sum, ref)
+    loss = (loss_sum / denom).astype(loss_dtype[0])
     if has_aux:
-      return (loss, _combine_aux(auxs)), grads
+      if reduce_aux is not None:
+        aux = reduce_aux(auxs)
+      else:
+        aux = _combine_aux(auxs, micro, weights if weighted else None)
+      return (loss, aux), grads
     return loss, grads
 
   return wrapped
+
+
+def _as_tuple(x) -> tuple:
+  if x is None:
+    return ()
+  return (x,) if isinstance(x, int) else tuple(x)
 
 
 def _acc_dtype(dtype):

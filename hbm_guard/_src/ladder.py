@@ -188,6 +188,8 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
   if rung.kind == "remat" and _next_policy(rung, plan, facts) is None:
     return SkipKind.ALREADY_APPLIED, "every remat policy already tried"
   if rung.kind == "offload":
+    if facts.platform == "cpu":
+      return SkipKind.NOT_APPLICABLE, "on the CPU, device memory is host memory"
     if not facts.has_host_memory:
       return SkipKind.NOT_APPLICABLE, "no host memory space on this backend"
     if not facts.offload_bytes:
