@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from hbm_guard._src import argnums as argnums_lib
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
@@ -52,12 +53,6 @@ class _NewSignature(Exception):
   def __init__(self, key):
     super().__init__("hbm_guard: new input signature")
     self.key = key
-
-
-def _as_tuple(x, kind=int) -> tuple:
-  if x is None:
-    return ()
-  return (x,) if isinstance(x, kind) else tuple(x)
 
 
 @dataclasses.dataclass(eq=False)
@@ -100,13 +95,13 @@ class GuardedFunction:
     self._max_class = max_class
     self._max_attempts = max_attempts
     self._rungs = ladder_lib.load_ladder(ladder)
-    self._state_argnums = _as_tuple(state_argnums)
+    self._state_argnums = argnums_lib.as_tuple(state_argnums)
     self._offload_filter = offload_filter
     self._auto_fallback = bool(auto_fallback)
-    self._user_donate = _as_tuple(jit_kwargs.pop("donate_argnums", None))
+    self._user_donate = argnums_lib.as_tuple(jit_kwargs.pop("donate_argnums", None))
     for key, kind in (("static_argnums", int), ("static_argnames", str)):
       if jit_kwargs.get(key) is not None:
-        jit_kwargs[key] = _as_tuple(jit_kwargs[key], kind)
+        jit_kwargs[key] = argnums_lib.as_tuple(jit_kwargs[key], kind)
     self._jit_kwargs = dict(jit_kwargs)  # donation is merged per plan
     self._replaced: tuple[tuple[int, Any], ...] = ()  # learnt at the first trace
     self._n_outputs: int | None = None
@@ -346,14 +341,19 @@ class GuardedFunction:
   def __call__(self, *args, **kwargs):
     if self._many_plans:  # signatures live on several jits: dispatch on the signature
       key = self._key(args, kwargs)
+      entry = self._by_signature.get(key)
+      if entry is not None:
+        return entry(args, kwargs)
     else:
-      hot = self._hot
       try:
-        return hot(args, kwargs)
+        return self._hot(args, kwargs)
       except _NewSignature as e:
         key = e.key
-    entry = self._by_signature.get(key) or self._fit(key, args, kwargs)
-    return entry(layout_lib.place(args, entry.layout), kwargs)
+      entry = self._by_signature.get(key)
+      if entry is not None:  # fitted earlier, to another plan's jit
+        return entry(args, kwargs)
+    entry = self._fit(key, args, kwargs)
+    return entry(layout_lib.place(args, entry.layout), kwargs)  # moved once, then direct
 
   def __get__(self, instance, owner=None):
     """As a method decorator: binds the instance as the first argument (like a function)."""

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from hbm_guard._src import argnums as argnums_lib
 from hbm_guard._src import errors
 from hbm_guard._src import plan as plan_lib
 
@@ -117,10 +118,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
   if batch_argnums is None and not batch_argnames:
     raise TypeError("hbm_guard.value_and_grad: say which arguments hold the batch "
                     "(batch_argnums=... or batch_argnames=...).")
-  batch_argnums = _as_tuple(batch_argnums)
+  batch_argnums = argnums_lib.as_tuple(batch_argnums)
   batch_argnames = tuple(batch_argnames)
-  rng_argnums = _as_tuple(rng_argnums)
-  diff = _as_tuple(argnums)
+  rng_argnums = argnums_lib.as_tuple(rng_argnums)
+  diff = argnums_lib.as_tuple(argnums)
 
   if weighted:
     def summed(*args, **kwargs):
@@ -216,12 +217,6 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
     return loss, grads
 
   return wrapped
-
-
-def _as_tuple(x) -> tuple:
-  if x is None:
-    return ()
-  return (x,) if isinstance(x, int) else tuple(x)
 
 
 def _acc_dtype(dtype):
