@@ -30,9 +30,15 @@ REPORT_DIR = flags.DEFINE_string(
 LADDER = flags.DEFINE_string(
     "hbm_guard_ladder", None, "A ladder JSON file replacing configs/ladder.json.")
 
+PLAN_CACHE = flags.DEFINE_string(
+    "hbm_guard_plan_cache", None,
+    "Directory remembering the plan that fit each program and input signature, so a "
+    "restart compiles once; 'off' disables. Default: $HBM_GUARD_PLAN_CACHE, else "
+    "~/.cache/hbm_guard/plans.")
+
 
 def guard_options() -> dict:
   """guarded_jit keyword arguments from the parsed flags."""
   return dict(auto_fallback=AUTO_FALLBACK.value, max_class=MAX_CLASS.value,
               max_attempts=MAX_ATTEMPTS.value, target=TARGET.value, capacity=CAPACITY.value,
-              report_dir=REPORT_DIR.value, ladder=LADDER.value)
+              report_dir=REPORT_DIR.value, ladder=LADDER.value, plan_cache=PLAN_CACHE.value)

@@ -7,6 +7,10 @@ import pytest
 
 from hbm_guard._src import targets
 
+# Tests count compiles: a plan remembered from another test (or run) would hide a climb.
+# Tests of the cache pass plan_cache= explicitly.
+os.environ["HBM_GUARD_PLAN_CACHE"] = "off"
+
 # CI sets HBM_GUARD_REQUIRE_TPU=1 so a missing libtpu fails the run instead of skipping.
 _REQUIRE = os.environ.get("HBM_GUARD_REQUIRE_TPU") == "1"
 

@@ -31,6 +31,7 @@ from hbm_guard._src import errors
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import targets as targets_lib
 from hbm_guard._src import trace as trace_lib
@@ -80,7 +81,8 @@ class GuardedFunction:
 
   def __init__(self, fun: Callable, *, capacity=None, target=None, max_class="exact",
                max_attempts=8, ladder=None, state_argnums=(), report_dir=None,
-               auto_fallback=True, offload_filter=default_offload_filter, **jit_kwargs):
+               auto_fallback=True, offload_filter=default_offload_filter, plan_cache=None,
+               **jit_kwargs):
     if max_class not in ladder_lib.CLASSES:
       raise ValueError(f"max_class must be one of {ladder_lib.CLASSES}, not {max_class!r}")
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
@@ -105,11 +107,13 @@ class GuardedFunction:
     self._jit_kwargs = dict(jit_kwargs)  # donation is merged per plan
     self._replaced: tuple[tuple[int, Any], ...] = ()  # learnt at the first trace
     self._n_outputs: int | None = None
+    self._cache = plan_cache_lib.resolve(plan_cache)
     self._report = report_lib.Writer(report_dir, f"{self._name}-{os.getpid()}-{id(self):x}")
     self._lock = threading.RLock()
     self._jits: dict[Hashable, _PlanJit] = {}
     self._by_signature: dict[Hashable, _PlanJit] = {}
     self._many_plans = False
+    self._cache_parts: dict[str, Any] = {}
     self._plan = plan_lib.Plan()  # the plan of the latest fit (a target's, not the local)
     self.attempts: list[climb_lib.Attempt] = []
     self._hot = self._plan_jit(plan_lib.Plan(), None)
@@ -260,6 +264,16 @@ class GuardedFunction:
         return self._by_signature[key]
       self._check_argnums(args)
       start = self._plan if self._auto_fallback else plan_lib.Plan()
+      cache_key = cached = None
+      if self._cache is not None and self._auto_fallback:
+        cache_key = self._cache_key(args, kwargs)
+        cached = self._cache.get(cache_key)
+        if cached is not None and cached.status == "exhausted":
+          self._exhausted_from_cache(cache_key, cached)
+        if cached is not None:
+          logging.info("hbm_guard: %s starts from the cached plan %s (%s)", self._name,
+                       cached.plan.describe(), self._cache.path(cache_key))
+          start = cached.plan
       result = climb_lib.climb(
           lambda p: self._try(p, key, args, kwargs), start, rungs=self._rungs,
           max_class=self._max_class, max_attempts=self._max_attempts,
@@ -267,6 +281,11 @@ class GuardedFunction:
           step_facts=lambda t: self._step_facts(args, t),
           first_number=len(self.attempts) + 1, signature=trace_lib.describe(key),
           on_attempt=self._record)
+      if cache_key is not None:
+        self._cache.put(cache_key, plan_cache_lib.Entry(
+            status="fits" if result.status is climb_lib.Status.FITS else "exhausted",
+            plan=result.plan, attempts=tuple(a.to_dict() for a in result.attempts),
+            parts=self._cache_parts))
       if result.status is not climb_lib.Status.FITS:
         self._fail(result)
       self._sync_across_hosts(result.plan)
@@ -281,6 +300,42 @@ class GuardedFunction:
         logging.info("hbm_guard: %s fits with %s after %d compile(s)", self._name,
                      result.plan.describe(), len(result.attempts))
       return entry
+
+  def _cache_key(self, args, kwargs) -> str:
+    """What decides the plan: the program under the default plan, where it must fit, how."""
+    facts: dict = {}
+    lowered = self._jit(plan_lib.Plan(), None, len(args), None, facts).lower(*args, **kwargs)
+    if not self._replaced and facts:  # a cached plan may need the state's layout at once
+      first = next(iter(facts.values()))
+      self._replaced, self._n_outputs = first.replaced, first.n_outputs
+    if self._target is not None:
+      where = f"target:{self._target.name}"
+    else:
+      where = f"{jax.default_backend()}:{jax.devices()[0].device_kind}x{jax.device_count()}"
+    self._cache_parts = {
+        "program": hashlib.sha256(lowered.as_text().encode()).hexdigest(), "where": where,
+        "capacity": self._capacity, "max_class": self._max_class,
+        "ladder": [r.to_dict() for r in self._rungs], "state_argnums": self._state_argnums,
+        "versions": plan_cache_lib.versions()}
+    return plan_cache_lib.digest(self._cache_parts)
+
+  def _exhausted_from_cache(self, cache_key: str, cached):
+    """A retry after exhaustion does not climb again: same program, same answer."""
+    data = report_lib.build(
+        function=self._name, status="exhausted", attempts=list(cached.attempts),
+        final_plan=None, target=self._target.name if self._target else None,
+        capacity_bytes=self._capacity, max_class=self._max_class,
+        ladder=[r.to_dict() for r in self._rungs],
+        note=f"from the plan cache {self._cache.path(cache_key)}: no compile was made")
+    written = self._report.write(data)
+    raise errors.LadderExhaustedError(
+        f"hbm_guard: no plan fits {self._name}: the plan cache remembers "
+        f"{len(cached.attempts)} compile(s) of this program for this target that all failed "
+        f"(last: {cached.plan.describe()}); nothing was compiled. Delete "
+        f"{self._cache.path(cache_key)} to climb again, or change what decides the plan "
+        f"(max_class, capacity, ladder). "
+        + (f"Report: {self._report.path}" if written else "The report could not be written."),
+        report_path=self._report.path)
 
   def _record(self, attempt: climb_lib.Attempt):
     """Every attempt is in the report before it is in the log: a kill loses neither."""
@@ -405,7 +460,8 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
                 target: str | None = None, max_class: str = "exact", max_attempts: int = 8,
                 ladder: str | Sequence[Any] | None = None,
                 state_argnums: int | Sequence[int] = (), report_dir: str | None = None,
-                auto_fallback: bool = True, **jit_kwargs):
+                auto_fallback: bool = True,
+                plan_cache: str | os.PathLike | bool | None = None, **jit_kwargs):
   """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.
 
   Args:
@@ -426,6 +482,9 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
       ./hbm_guard_reports); written atomically after every attempt.
     auto_fallback: False: diagnose and report, change nothing, and raise (the compiler's
       own error, or CapacityExceededError for `capacity=`).
+    plan_cache: a directory remembering the plan that fit each program and input
+      signature, so a restarted job compiles once and fails none; True/None: $HBM_GUARD_PLAN_CACHE,
+      else ~/.cache/hbm_guard/plans; False (or "off"): no cache.
     **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
 
   Example:
@@ -435,7 +494,8 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
   """
   options = dict(capacity=capacity, target=target, max_class=max_class,
                  max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
-                 report_dir=report_dir, auto_fallback=auto_fallback, **jit_kwargs)
+                 report_dir=report_dir, auto_fallback=auto_fallback, plan_cache=plan_cache,
+                 **jit_kwargs)
   if fun is None:
     return functools.partial(guarded_jit, **options)
   return GuardedFunction(fun, **options)
