@@ -121,7 +121,10 @@ def test_exhausted_ladder_raises_with_every_attempt_and_a_report(tmp_path):
   assert [a.outcome for a in err.attempts] == ["oom"] * len(err.attempts)
   report = json.loads(open(err.report_path).read())
   assert report["schema"] == "hbm_guard.report/1" and report["status"] == "exhausted"
-  assert len(report["attempts"]) == len(err.attempts) == 2  # plain, then + donate
+  # One compile: the planner probed the donated plan, saw it cannot fit, and stopped.
+  assert len(report["attempts"]) == len(err.attempts) == 1
+  probes = report["attempts"][0]["planning"]["probes"]
+  assert probes and probes[0]["plan"] == "donate" and probes[0]["need_bytes"] > 1024
   assert report["next_steps"], "a person gets the diagnosis' advice"
   assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 

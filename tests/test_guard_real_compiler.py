@@ -25,12 +25,13 @@ def test_flax_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_d
   assert first.record.kind in (R.COMPILE_HBM, R.COMPILE_HBM_EARLY)
   assert first.record.capacity_bytes == 200 * MiB
   assert last.outcome == "fits" and last.memory["peak"] <= 200 * MiB
-  # What the rungs saved, in the compiler's own figures: per-layer remat cuts what the
-  # plain step needs by more than half, and the final plan is remat'd per layer.
-  need = {a.plan.remat_policy: a.record.required_bytes for a in step.attempts
-          if a.record and a.plan.microbatches == 1 and not a.plan.offload_optimizer}
-  assert need["dots_with_no_batch_dims_saveable"] < need[None] / 2
-  assert step.plan.remat_policy is not None and 0 in step.plan.donate_argnums
+  # The planner priced plans by libtpu's early figure (probes, seconds each) and compiled
+  # only the one it chose (issue #8: at most 3 compiles; 2 measured on libtpu 0.0.50).
+  assert len(step.attempts) <= 3
+  probes = first.planning["probes"]
+  assert probes and min(p["need_bytes"] for p in probes) < first.record.required_bytes / 2
+  assert first.planning["chosen"] == step.plan.describe()
+  assert (step.plan.remat_policy or step.plan.microbatches > 1) and 0 in step.plan.donate_argnums
   assert len(losses) == 2 and all(np.isfinite(losses))
 
 

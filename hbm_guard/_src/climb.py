@@ -40,6 +40,7 @@ class Attempt:
   skipped: tuple[ladder_lib.Skip, ...] = ()  # rungs passed over to choose the next plan
   signature: str = ""  # the input shapes this attempt was for
   loss_form: str | None = None  # how the step's value_and_grad reduced its loss
+  planning: dict[str, Any] | None = None  # the probes that chose the next plan, and why
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -50,6 +51,7 @@ class Attempt:
         "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
         "memory": self.memory,
         "skipped": [s.to_dict() for s in self.skipped],
+        "planning": self.planning,
     }
 
 
@@ -70,9 +72,12 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
           rungs: Sequence[ladder_lib.Rung], max_class: str, max_attempts: int,
           auto_fallback: bool, step_facts: Callable[[compile_lib.Trial], ladder_lib.StepFacts],
           first_number: int = 1, signature: str = "",
-          on_attempt: Callable[[Attempt], None] = lambda a: None) -> Result:
-  """Compiles from `start` up the ladder until a plan fits, nothing allowed can, or
-  `max_attempts` compiles were spent. With `auto_fallback` off, stops after the first."""
+          on_attempt: Callable[[Attempt], None] = lambda a: None,
+          plan_next: Callable[..., tuple[plan_lib.Plan | None, list, dict]] | None = None
+          ) -> Result:
+  """Compiles from `start` until a plan fits, nothing allowed can, or `max_attempts`
+  compiles were spent. With `auto_fallback` off, stops after the first. `plan_next(plan,
+  trial, facts)` (a planner) chooses the next plan; without it, the ladder's next rung."""
   attempts: list[Attempt] = []
   plan = start
   refits = 0
@@ -95,14 +100,18 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
       return Result(Status.FITS, plan, tuple(attempts), trial)
     rec = trial.record
     diag = diagnose_lib.diagnose(rec)
-    nxt, skips = None, []
-    if auto_fallback:
+    nxt, skips, planning = None, [], None
+    if auto_fallback and plan_next is not None:
+      nxt, skips, planning = plan_next(plan, trial, step_facts(trial))
+    elif auto_fallback:
       history = [(a.plan, a.record.required_bytes) for a in attempts if a.record is not None]
       nxt, skips = ladder_lib.next_plan(
           rungs, plan, step_facts(trial), rec, max_class,
           temp_bytes=(trial.memory or {}).get("temp") or rec.temp_bytes, history=history)
+    if nxt is not None and any(a.plan == nxt for a in attempts):
+      nxt = None  # never compile a plan twice
     attempt = Attempt(number, plan, "oom", trial.seconds, rec, diag, trial.memory,
-                      tuple(skips), signature, loss_form)
+                      tuple(skips), signature, loss_form, planning)
     attempts.append(attempt)
     on_attempt(attempt)
     if not auto_fallback:

@@ -32,6 +32,7 @@ from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
+from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import targets as targets_lib
 from hbm_guard._src import trace as trace_lib
@@ -195,7 +196,11 @@ class GuardedFunction:
 
   # -- fitting --------------------------------------------------------------------------
 
-  def _try(self, plan: plan_lib.Plan, key, args, kwargs) -> compile_lib.Trial:
+  def _try(self, plan: plan_lib.Plan, key, args, kwargs, *, probe: bool = False
+           ) -> compile_lib.Trial:
+    """One compile under `plan`. A probe on a target gets a 1 MiB limit: libtpu's early
+    check then fails it in seconds with what the plan needs."""
+    capacity = self._capacity
     if self._target is not None:
       devices = self._target.devices()
       layout = layout_lib.plan_layout(plan, args, [i for i, _ in self._replaced], devices,
@@ -206,8 +211,12 @@ class GuardedFunction:
           args, kwargs, layout, self._static(len(args)),
           self._jit_kwargs.get("static_argnames", ()), devices)
       options = dict(plan.compiler_options)
-      if self._capacity is not None:
+      if probe:
+        options["xla_tpu_max_hbm_size_mib"] = 1
+      elif self._capacity is not None:
         options["xla_tpu_max_hbm_size_mib"] = max(1, self._capacity // MiB)
+      if probe or targets_lib.compiler_counts_arguments(self._target):
+        capacity = None  # libtpu's own verdict at that limit counts arguments too
 
       def compile_fn():
         return jitted.lower(*targs, **tkw).compile(options)
@@ -223,13 +232,53 @@ class GuardedFunction:
         return entry.jitted.lower(*largs, **lkw).compile()
     try:
       trial = compile_lib.try_compile(plan, compile_fn, lambda: facts.get(key),
-                                      capacity=self._capacity, name=self._name)
+                                      capacity=capacity, name=self._name)
     finally:
       if self._target is None and key in entry.allowed and key not in self._by_signature:
         entry.allowed.discard(key)  # re-admitted below if this plan fits
     if trial.facts is not None and not self._replaced:
       self._replaced, self._n_outputs = trial.facts.replaced, trial.facts.n_outputs
     return trial
+
+  def _probe(self, plan: plan_lib.Plan, key, args, kwargs) -> int | None:
+    """What `plan` needs, cheaply: libtpu's early figure, or a full compile's peak."""
+    trial = self._try(plan, key, args, kwargs, probe=True)
+    if trial.record is not None:
+      return trial.record.required_bytes
+    return (trial.memory or {}).get("peak")
+
+  def _flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
+    """The step's compute under `plan` (one batch, no placement), by the compiler's count."""
+    local = dataclasses.replace(plan, offload_optimizer=False, shard_state=False,
+                                donate_argnums=(), compiler_options=())
+    try:
+      analysis = self._jit(local, None, len(args), None, {}).lower(*args, **kwargs)
+      analysis = analysis.cost_analysis()
+      if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+      return float(analysis.get("flops", 0.0)) or None
+    except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
+      return None
+
+  def _planner(self, key, args, kwargs):
+    """A planner for one fit: probes and compute costs of this signature's plans."""
+    box: dict = {}
+
+    def plan_next(plan, trial, facts):
+      rec = trial.record
+      if "planner" not in box:
+        capacity = self._capacity or rec.available_bytes
+        if not capacity:
+          return ladder_lib.next_plan(self._rungs, plan, facts, rec, self._max_class) + (None,)
+        box["planner"] = planner_lib.Planner(
+            lambda p: self._probe(p, key, args, kwargs),
+            lambda p: self._flops(p, args, kwargs), capacity,
+            scale=planner_lib.PROBE_SCALE if self._target is not None else 1.0)
+      planner = box["planner"]
+      planner.observe(plan, rec.required_bytes, fits=False)
+      return planner_lib.next_plan(planner, self._rungs, plan, facts, rec, self._max_class)
+
+    return plan_next
 
   def _step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
     if self._target is not None:
@@ -280,7 +329,7 @@ class GuardedFunction:
           auto_fallback=self._auto_fallback,
           step_facts=lambda t: self._step_facts(args, t),
           first_number=len(self.attempts) + 1, signature=trace_lib.describe(key),
-          on_attempt=self._record)
+          on_attempt=self._record, plan_next=self._planner(key, args, kwargs))
       if cache_key is not None:
         self._cache.put(cache_key, plan_cache_lib.Entry(
             status="fits" if result.status is climb_lib.Status.FITS else "exhausted",

@@ -34,12 +34,27 @@ class Plan:
     return dataclasses.replace(self, rungs=self.rungs + (rung,), **changes)
 
   def describe(self) -> str:
+    """What the plan does, by its fields (flag rungs by the names they were applied as)."""
     if self == Plan():
       return "plain jit"
-    parts = list(dict.fromkeys(self.rungs))
-    detail = {"layer_remat": f"layer_remat({self.remat_policy})",
-              "microbatch": f"microbatch({self.microbatches})"}
-    return " + ".join(detail.get(p, p) for p in parts) or "custom plan"
+    parts = []
+    if self.donate_argnums:
+      parts.append("donate")
+    if self.shard_state:
+      parts.append("reshard_fsdp")
+    if self.remat_policy:
+      parts.append(f"layer_remat({self.remat_policy})")
+    if self.microbatches > 1:
+      parts.append(f"microbatch({self.microbatches})")
+    if self.offload_optimizer:
+      parts.append("offload_optimizer")
+    known = {"donate", "reshard_fsdp", "layer_remat", "microbatch", "offload_optimizer"}
+    flags = [r for r in dict.fromkeys(self.rungs) if r not in known and r != "bf16"]
+    if self.compiler_options:
+      parts += flags or [",".join(f"{k}={v}" for k, v in self.compiler_options)]
+    if self.compute_dtype:
+      parts.append(f"dtype({self.compute_dtype})")
+    return " + ".join(parts) or "plain jit"
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

@@ -111,6 +111,11 @@ def render(data: dict[str, Any]) -> str:
                  + f" ({a['seconds']}s)")
     for s in a.get("skipped", ()):
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
+    planning = a.get("planning") or {}
+    for pr in planning.get("probes", ()):
+      lines.append(f"      probe {pr['plan']}: needs {fmt(pr['need_bytes'])} ({pr['seconds']}s)")
+    if planning.get("why"):
+      lines.append(f"      next: {planning.get('chosen') or 'none'} ({planning['why']})")
   if data.get("final_plan"):
     from hbm_guard._src import plan as plan_lib  # pylint: disable=g-import-not-at-top
     lines.append("  plan in force: "

@@ -118,5 +118,25 @@ def quiet_libtpu_on_cpu_host() -> None:
     os.environ.setdefault(key, value)
 
 
+@functools.cache
+def compiler_counts_arguments(target: Target) -> bool:
+  """Whether libtpu's verdict at `xla_tpu_max_hbm_size_mib` counts the arguments.
+
+  libtpu 0.0.50 does ("Used" = program + arguments), so the guard's own total check would
+  only disagree with it by its accounting; older releases were seen to check program
+  memory only. Asked once per process: 64 MiB of arguments against a 32 MiB limit.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(target.devices()[:1]), ("x",))
+  arg = jax.ShapeDtypeStruct((16 << 20,), jax.numpy.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec()))
+  try:
+    jax.jit(lambda x: x[:8] * 2).lower(arg).compile({"xla_tpu_max_hbm_size_mib": 32})
+  except jax.errors.JaxRuntimeError as e:
+    return record_lib.parse(e) is not None
+  return False
+
+
 def local_backend() -> str:
   return jax.default_backend()

@@ -1,0 +1,236 @@
+"""Choosing the next plan by cheap probes, not by walking the ladder.
+
+After a plan fails, the planner prices candidate plans: the free rungs (donation,
+resharding) always on; a remat policy; host offload of the optimizer state; a microbatch
+count that divides the batch. A probe is a compile given a tiny HBM limit: libtpu's early
+check fails it in seconds and prints what the program needs (arguments included). On a
+backend without that check (capacity= on CPU) a probe is a full compile, which is cheap
+there. Need falls with the microbatch count, so the smallest count predicted to fit is
+found by bisection over the divisors of the batch, per family (remat policy x offload).
+Compute cost (the compiler's flop count of the step, times the microbatch count, plus the
+host transfers of offload) orders the families; the cheapest plan predicted to fit is
+compiled for real, and every real figure recalibrates the probe's scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from absl import logging
+
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import plan as plan_lib
+
+HEADROOM = ladder_lib.HEADROOM
+FLOPS_PER_HOST_BYTE = 4000.0  # host link vs compute on a TPU: ~25 GB/s against ~100 TFLOP/s
+MICROBATCH_OVERHEAD = 0.01  # per extra microbatch: a sequential loop, weights read again
+MAX_MICROBATCHES = 256
+PROBE_SCALE = 1.3  # libtpu's early figure at a 1 MiB limit ran 0.67-0.95 of the need at the real one
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  plan: plan_lib.Plan
+  need_bytes: int | None  # what the probe says the plan needs (None: it could not tell)
+  seconds: float
+
+  def to_dict(self):
+    return {"plan": self.plan.describe(), "need_bytes": self.need_bytes,
+            "seconds": round(self.seconds, 3)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  plan: plan_lib.Plan
+  predicted_bytes: int
+  cost: float
+  why: str
+
+
+class Planner:
+  """Prices plans with `probe(plan) -> bytes` and `flops(plan) -> float`, remembering both."""
+
+  def __init__(self, probe: Callable[[plan_lib.Plan], int | None],
+               flops: Callable[[plan_lib.Plan], float | None], capacity: int,
+               scale: float = 1.0):
+    self._probe, self._flops, self._capacity = probe, flops, capacity
+    self.scale = scale  # real need / probe figure, the largest seen (probes run low)
+    self.probes: list[Probe] = []
+    self._need: dict[plan_lib.Plan, int | None] = {}
+    self._cost: dict[plan_lib.Plan, float | None] = {}
+    self.failed: set[plan_lib.Plan] = set()
+
+  # -- figures --------------------------------------------------------------------------
+
+  def need(self, plan: plan_lib.Plan) -> int | None:
+    plan = _key(plan)
+    if plan not in self._need:
+      t0 = time.perf_counter()
+      need = self._probe(plan)
+      self.probes.append(Probe(plan, need, time.perf_counter() - t0))
+      logging.info("hbm_guard: probe %s: %s bytes (%.1f s)", plan.describe(), need,
+                   time.perf_counter() - t0)
+      self._need[plan] = need
+    return self._need[plan]
+
+  def observe(self, plan: plan_lib.Plan, real_bytes: int | None, fits: bool):
+    """A real compile's figure: recalibrates the scale from probe to real."""
+    if not fits:
+      self.failed.add(_key(plan))
+    probe = self._need.get(_key(plan))
+    if real_bytes and probe:
+      ratio = real_bytes / probe
+      if not fits or ratio > self.scale:
+        self.scale = max(self.scale, ratio)
+
+  def known(self, plan: plan_lib.Plan, need: int | None):
+    """A figure already measured (the failed attempt's own), so it is not probed again."""
+    self._need.setdefault(_key(plan), need)
+
+  def cost(self, plan: plan_lib.Plan, offload_bytes: int) -> float:
+    family = _key(dataclasses.replace(plan, microbatches=1))
+    if family not in self._cost:
+      self._cost[family] = self._flops(family)
+    base = self._cost[family] or 1.0
+    k = plan.microbatches
+    cost = base * (1 + MICROBATCH_OVERHEAD * (k - 1))
+    if plan.offload_optimizer:
+      cost += 2 * offload_bytes * FLOPS_PER_HOST_BYTE
+    return cost
+
+  def fits(self, need: int | None) -> bool:
+    return need is not None and need * self.scale <= HEADROOM * self._capacity
+
+  # -- the choice -----------------------------------------------------------------------
+
+  def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
+    """The fewest microbatches predicted to fit in this family, by bisection."""
+    lo, hi = 0, len(counts) - 1
+    top = dataclasses.replace(family, microbatches=counts[hi])
+    if _key(top) in self.failed or not self.fits(self.need(top)):
+      return None
+    while lo < hi:
+      mid = (lo + hi) // 2
+      plan = dataclasses.replace(family, microbatches=counts[mid])
+      if _key(plan) not in self.failed and self.fits(self.need(plan)):
+        hi = mid
+      else:
+        lo = mid + 1
+    return counts[lo]
+
+  def choose(self, families: Sequence[plan_lib.Plan], counts: Sequence[int],
+             offload_bytes: int) -> Choice | None:
+    """The cheapest plan predicted to fit, over families priced cheapest first."""
+    priced = sorted(families, key=lambda f: self.cost(f, offload_bytes))
+    best: Choice | None = None
+    for family in priced:
+      if best is not None and self.cost(family, offload_bytes) >= best.cost:
+        break  # every plan of this family costs more than the best already found
+      k = self.smallest_count(family, counts)
+      if k is None:
+        continue
+      plan = dataclasses.replace(family, microbatches=k)
+      cost = self.cost(plan, offload_bytes)
+      if best is None or cost < best.cost:
+        need = self.need(plan)
+        best = Choice(plan, int(need * self.scale), cost,
+                      f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
+                      f"{HEADROOM} x {self._capacity}; cost {cost:.3g} flops")
+    return best
+
+
+def _key(plan: plan_lib.Plan) -> plan_lib.Plan:
+  """Plans compare by what they do, not by the order their rungs were named in."""
+  return dataclasses.replace(plan, rungs=())
+
+
+def with_rungs(plan: plan_lib.Plan, base: plan_lib.Plan) -> plan_lib.Plan:
+  """Names the rungs a chosen plan applies, for the report."""
+  names = []
+  if plan.donate_argnums:
+    names.append("donate")
+  if plan.shard_state:
+    names.append("reshard_fsdp")
+  if plan.remat_policy:
+    names.append("layer_remat")
+  if plan.microbatches > 1:
+    names.append("microbatch")
+  if plan.offload_optimizer:
+    names.append("offload_optimizer")
+  extra = [r for r in base.rungs if r not in names]
+  return dataclasses.replace(plan, rungs=tuple(names + extra))
+
+
+_PLANNED = ("donate", "reshard", "remat", "microbatch", "offload")
+
+
+def divisors(n: int | None, current: int = 1) -> list[int]:
+  if not n:
+    return [current]
+  return [k for k in range(1, min(n, MAX_MICROBATCHES) + 1) if n % k == 0]
+
+
+def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
+             facts: ladder_lib.StepFacts, max_class: str
+             ) -> tuple[list[plan_lib.Plan], list[int], list[ladder_lib.Skip]]:
+  """Candidate families (microbatch count aside) and the counts to search, from the rungs
+  this step can take. Free rungs are always on: they cost no compute."""
+  base, skips = dataclasses.replace(plan, microbatches=1), []
+  policies: list[str | None] = [plan.remat_policy]
+  offloads = [plan.offload_optimizer]
+  counts = [plan.microbatches]
+  bare = dataclasses.replace(base, remat_policy=None, offload_optimizer=False)
+  for rung in rungs:
+    if rung.kind not in _PLANNED:
+      continue
+    why = ladder_lib.applies(rung, base if rung.kind in ("donate", "reshard") else bare,
+                             facts, max_class)
+    if why is not None:
+      if why[0] is not ladder_lib.SkipKind.ALREADY_APPLIED:
+        skips.append(ladder_lib.Skip(rung.name, why[1], why[0]))
+      continue
+    if rung.kind in ("donate", "reshard"):
+      base, _ = ladder_lib.apply(rung, base, facts, None, None)
+    elif rung.kind == "remat":
+      allowed = [p for p in (rung.policies or ("nothing_saveable",))
+                 if not p.startswith("offload_") or facts.has_host_memory]
+      policies += [p for p in allowed if p not in policies]
+    elif rung.kind == "offload":
+      offloads = [False, True]
+    elif rung.kind == "microbatch":
+      counts = divisors(facts.batch_size, plan.microbatches)
+  out = []
+  for policy in policies:
+    for offload in dict.fromkeys(offloads):
+      out.append(dataclasses.replace(base, remat_policy=policy, offload_optimizer=offload))
+  return out, counts, skips
+
+
+def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
+              facts: ladder_lib.StepFacts, rec, max_class: str
+              ) -> tuple[plan_lib.Plan | None, list[ladder_lib.Skip], dict]:
+  """The planner's choice after `plan` failed; the ladder's remaining rungs (XLA flags,
+  dtype) from the plan that came closest when no planned plan is predicted to fit."""
+  n_probes = len(planner.probes)
+  fams, counts, skips = families(rungs, plan, facts, max_class)
+  choice = planner.choose(fams, counts, facts.offload_bytes)
+  info = {}
+  if choice is not None and _key(choice.plan) != _key(plan):
+    info = {"chosen": choice.plan.describe(), "why": choice.why,
+            "predicted_bytes": choice.predicted_bytes}
+    nxt = with_rungs(choice.plan, plan)
+  else:
+    measured = [(p, n) for p, n in planner._need.items() if n is not None]  # pylint: disable=protected-access
+    closest = min(measured, key=lambda pn: pn[1])[0] if measured else plan
+    closest = with_rungs(closest, plan)
+    rest = [r for r in rungs if r.kind not in _PLANNED]
+    nxt, more = ladder_lib.next_plan(rest, closest, facts, rec, max_class)
+    skips += more
+    info = {"chosen": nxt.describe() if nxt else None,
+            "why": ("no planned plan is predicted to fit; the ladder's remaining rungs "
+                    f"from the closest plan ({closest.describe()})")}
+  info["probes"] = [p.to_dict() for p in planner.probes[n_probes:]]
+  info["scale"] = round(planner.scale, 3)
+  return nxt, skips, info
