@@ -126,3 +126,28 @@ def test_a_restarted_process_compiles_once_and_fails_none(tmp_path):
     return json.loads(proc.stdout.strip().splitlines()[-1])
   assert run() == ["oom", "fits"]
   assert run() == ["fits"]
+
+
+def test_a_plan_from_the_report_pins_the_step(tmp_path):
+  opts = dict(state_argnums=0, capacity=_capacity(), report_dir=str(tmp_path), plan_cache=False)
+  first = hbm_guard.guarded_jit(sgd_step, **opts)
+  first(jnp.array(W), X)
+  plan_file = tmp_path / "plan.json"
+  plan_file.write_text(json.dumps(json.load(open(first.report_path))["final_plan"]))
+  pinned = hbm_guard.guarded_jit(sgd_step, auto_fallback=False, plan=str(plan_file), **opts)
+  pinned(jnp.array(W), X)
+  assert [a.outcome for a in pinned.attempts] == ["fits"] and pinned.plan == first.plan
+  too_small = hbm_guard.guarded_jit(sgd_step, auto_fallback=False, plan=hbm_guard.Plan(),
+                                    **opts)
+  with pytest.raises(hbm_guard.CapacityExceededError):
+    too_small(W, X)
+
+
+def test_search_ladder_compiles_each_rung(tmp_path):
+  step = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity="1KiB", search="ladder",
+                               report_dir=str(tmp_path), plan_cache=False)
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    step(W, X)
+  assert [a.plan.describe() for a in step.attempts] == ["plain jit", "donate"]
+  with pytest.raises(ValueError):
+    hbm_guard.guarded_jit(sgd_step, search="random")

@@ -83,7 +83,7 @@ class GuardedFunction:
   def __init__(self, fun: Callable, *, capacity=None, target=None, max_class="exact",
                max_attempts=8, ladder=None, state_argnums=(), report_dir=None,
                auto_fallback=True, offload_filter=default_offload_filter, plan_cache=None,
-               **jit_kwargs):
+               plan=None, search="probes", **jit_kwargs):
     if max_class not in ladder_lib.CLASSES:
       raise ValueError(f"max_class must be one of {ladder_lib.CLASSES}, not {max_class!r}")
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
@@ -115,7 +115,16 @@ class GuardedFunction:
     self._by_signature: dict[Hashable, _PlanJit] = {}
     self._many_plans = False
     self._cache_parts: dict[str, Any] = {}
-    self._plan = plan_lib.Plan()  # the plan of the latest fit (a target's, not the local)
+    if search not in ("probes", "ladder"):
+      raise ValueError(f"search must be 'probes' or 'ladder', not {search!r}")
+    self._search = search
+    if isinstance(plan, (str, os.PathLike)):
+      with open(plan, encoding="utf-8") as f:
+        plan = plan_lib.Plan.from_dict(json.load(f))
+    elif isinstance(plan, dict):
+      plan = plan_lib.Plan.from_dict(plan)
+    self._pinned = plan is not None
+    self._plan = plan or plan_lib.Plan()  # the latest fit's plan (a target's, not the local)
     self.attempts: list[climb_lib.Attempt] = []
     self._hot = self._plan_jit(plan_lib.Plan(), None)
 
@@ -312,7 +321,7 @@ class GuardedFunction:
       if key in self._by_signature:  # another thread fitted it meanwhile
         return self._by_signature[key]
       self._check_argnums(args)
-      start = self._plan if self._auto_fallback else plan_lib.Plan()
+      start = self._plan if self._auto_fallback or self._pinned else plan_lib.Plan()
       cache_key = cached = None
       if self._cache is not None and self._auto_fallback:
         cache_key = self._cache_key(args, kwargs)
@@ -323,13 +332,16 @@ class GuardedFunction:
           logging.info("hbm_guard: %s starts from the cached plan %s (%s)", self._name,
                        cached.plan.describe(), self._cache.path(cache_key))
           start = cached.plan
+      if not self._replaced and (start.shard_state or start.offload_optimizer):
+        self._learn_state(args, kwargs)  # a planned layout needs the replaced state first
       result = climb_lib.climb(
           lambda p: self._try(p, key, args, kwargs), start, rungs=self._rungs,
           max_class=self._max_class, max_attempts=self._max_attempts,
           auto_fallback=self._auto_fallback,
           step_facts=lambda t: self._step_facts(args, t),
           first_number=len(self.attempts) + 1, signature=trace_lib.describe(key),
-          on_attempt=self._record, plan_next=self._planner(key, args, kwargs))
+          on_attempt=self._record,
+          plan_next=self._planner(key, args, kwargs) if self._search == "probes" else None)
       if cache_key is not None:
         self._cache.put(cache_key, plan_cache_lib.Entry(
             status="fits" if result.status is climb_lib.Status.FITS else "exhausted",
@@ -352,11 +364,7 @@ class GuardedFunction:
 
   def _cache_key(self, args, kwargs) -> str:
     """What decides the plan: the program under the default plan, where it must fit, how."""
-    facts: dict = {}
-    lowered = self._jit(plan_lib.Plan(), None, len(args), None, facts).lower(*args, **kwargs)
-    if not self._replaced and facts:  # a cached plan may need the state's layout at once
-      first = next(iter(facts.values()))
-      self._replaced, self._n_outputs = first.replaced, first.n_outputs
+    lowered = self._learn_state(args, kwargs, lower=True)
     if self._target is not None:
       where = f"target:{self._target.name}"
     else:
@@ -367,6 +375,16 @@ class GuardedFunction:
         "ladder": [r.to_dict() for r in self._rungs], "state_argnums": self._state_argnums,
         "versions": plan_cache_lib.versions()}
     return plan_cache_lib.digest(self._cache_parts)
+
+  def _learn_state(self, args, kwargs, lower: bool = False):
+    """Traces (or lowers) under the default plan: which state the step replaces."""
+    facts: dict = {}
+    jitted = self._jit(plan_lib.Plan(), None, len(args), None, facts)
+    out = jitted.lower(*args, **kwargs) if lower else jitted.trace(*args, **kwargs)
+    if not self._replaced and facts:
+      first = next(iter(facts.values()))
+      self._replaced, self._n_outputs = first.replaced, first.n_outputs
+    return out
 
   def _exhausted_from_cache(self, cache_key: str, cached):
     """A retry after exhaustion does not climb again: same program, same answer."""
@@ -510,7 +528,9 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
                 ladder: str | Sequence[Any] | None = None,
                 state_argnums: int | Sequence[int] = (), report_dir: str | None = None,
                 auto_fallback: bool = True,
-                plan_cache: str | os.PathLike | bool | None = None, **jit_kwargs):
+                plan_cache: str | os.PathLike | bool | None = None,
+                plan: plan_lib.Plan | dict | str | None = None, search: str = "probes",
+                **jit_kwargs):
   """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.
 
   Args:
@@ -534,6 +554,11 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
     plan_cache: a directory remembering the plan that fit each program and input
       signature, so a restarted job compiles once and fails none; True/None: $HBM_GUARD_PLAN_CACHE,
       else ~/.cache/hbm_guard/plans; False (or "off"): no cache.
+    plan: the plan to start from: a `Plan`, its dict, or a JSON file (as the report's
+      `final_plan`). With `auto_fallback=False` the plan is pinned: compiled as is, and an
+      error if it does not fit.
+    search: "probes" (default): after a failure, price candidate plans by cheap probes and
+      compile the cheapest predicted to fit; "ladder": the next rung, one compile each.
     **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
 
   Example:
@@ -544,7 +569,7 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
   options = dict(capacity=capacity, target=target, max_class=max_class,
                  max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
                  report_dir=report_dir, auto_fallback=auto_fallback, plan_cache=plan_cache,
-                 **jit_kwargs)
+                 plan=plan, search=search, **jit_kwargs)
   if fun is None:
     return functools.partial(guarded_jit, **options)
   return GuardedFunction(fun, **options)
