@@ -1,7 +1,7 @@
 """The `hbm-guard` command: explain an out-of-memory error, or render a post-mortem report.
 
   hbm-guard explain [FILE|-] [--json]   exit 0: found one; 1: none; 2: usage error
-  hbm-guard report REPORT.json          a ladder's post-mortem, for a person
+  hbm-guard report REPORT.json [--html OUT.html]   a guard's post-mortem, for a person
 """
 
 from __future__ import annotations
@@ -115,10 +115,23 @@ def _report(args, out: TextIO) -> int:
           f"'schema': 'hbm_guard.report/...' with 'attempts').", file=sys.stderr)
     return 2
   try:
-    print(report_lib.render(data), file=out)
+    text = report_lib.render(data)
+    page = None
+    if args.html:
+      from hbm_guard._src import report_html  # pylint: disable=g-import-not-at-top
+      page = report_html.render(data)
   except (KeyError, TypeError, ValueError) as e:
     print(f"hbm-guard report: {args.file} is a damaged report: {e!r}", file=sys.stderr)
     return 2
+  if page is not None:
+    try:
+      report_lib.write_text_atomic(args.html, page)
+    except OSError as e:
+      print(f"hbm-guard report: cannot write {args.html}: {e}", file=sys.stderr)
+      return 2
+    print(f"wrote {args.html}", file=out)
+  else:
+    print(text, file=out)
   return 0
 
 
@@ -132,6 +145,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
   p.add_argument("--json", action="store_true", help="print {record, diagnosis} as JSON")
   r = sub.add_parser("report", help="render a guarded_jit post-mortem report")
   r.add_argument("file", help="the report's JSON file")
+  r.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page")
   try:
     args = parser.parse_args(argv)
   except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help

@@ -153,13 +153,21 @@ def padding_of(alloc: record_lib.Allocation) -> PaddingFinding | None:
                         padding_bytes=waste, expansion=round(expansion, 2))
 
 
+_SYSTEM = re.compile(r"^(overlays?|reserved|program|scoped|global)$", re.I)
+
+
+def is_system(a: record_lib.Allocation) -> bool:
+  """Program code (overlays) and runtime reservations: nothing the user's code allocates."""
+  return any(_SYSTEM.match((x or "").strip()) for x in (a.xla_label, a.allocation_type))
+
+
 def _large(rec: record_lib.E1000Record) -> tuple[LargeAllocation, ...]:
   cap = rec.capacity_bytes
   if not cap:
     return ()
   out = []
   for i, a in enumerate(rec.allocations + rec.arguments_and_outputs, start=1):
-    if a.size_bytes is None or a.size_bytes <= LARGE_FRACTION * cap:
+    if a.size_bytes is None or a.size_bytes <= LARGE_FRACTION * cap or is_system(a):
       continue
     text = " ".join(filter(None, (a.op_name, a.op_type, a.xla_label)))
     suspects = []

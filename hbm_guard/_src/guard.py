@@ -284,10 +284,26 @@ class GuardedFunction:
             lambda p: self._flops(p, args, kwargs), capacity,
             scale=planner_lib.PROBE_SCALE if self._target is not None else 1.0)
       planner = box["planner"]
+      box["last"] = (plan, facts)
       planner.observe(plan, rec.required_bytes, fits=False)
       return planner_lib.next_plan(planner, self._rungs, plan, facts, rec, self._max_class)
 
+    self._fit_planner = box
     return plan_next
+
+  def _above_class(self) -> dict[str, Any] | None:
+    """When nothing allowed fits: would a plan of a higher class? Priced by probes."""
+    box = getattr(self, "_fit_planner", None) or {}
+    if "planner" not in box or "last" not in box:
+      return None
+    plan, facts = box["last"]
+    for klass in ladder_lib.CLASSES[ladder_lib.CLASSES.index(self._max_class) + 1:]:
+      fams, counts, _ = planner_lib.families(self._rungs, plan, facts, klass)
+      choice = box["planner"].choose(fams, counts, facts.offload_bytes)
+      if choice is not None:
+        return {"class": klass, "plan": choice.plan.describe(),
+                "predicted_bytes": choice.predicted_bytes}
+    return None
 
   def _step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
     if self._target is not None:
@@ -421,7 +437,8 @@ class GuardedFunction:
     rec = trial.record
     fmt = diagnose_lib.format_bytes
     status = "diagnosed" if result.status is climb_lib.Status.DIAGNOSED else "exhausted"
-    written = self._write_report(status)
+    above = self._above_class() if result.status is climb_lib.Status.EXHAUSTED else None
+    written = self._write_report(status, above)
     where = (f"Report: {self._report.path}" if written else "The report could not be written.")
     if result.status is climb_lib.Status.DIAGNOSED:
       logging.error("hbm_guard: %s does not fit (%s); auto fallback is off. %s", self._name,
@@ -434,6 +451,9 @@ class GuardedFunction:
           f"off, so nothing was changed. {where}", report_path=self._report.path,
           attempts=attempts)
     tried = "; ".join(a.plan.describe() for a in attempts)
+    if above:
+      where = (f"Allowing max_class='{above['class']}' would fit: {above['plan']} (predicted "
+               f"{fmt(above['predicted_bytes'])}). " + where)
     err = errors.LadderExhaustedError(
         f"hbm_guard: no plan fits {self._name} in {fmt(rec.available_bytes)} after "
         f"{len(attempts)} compile(s) (tried: {tried}); the last needed "
@@ -449,12 +469,13 @@ class GuardedFunction:
     multihost_utils.assert_equal(np.frombuffer(digest[:8], dtype=np.int64),
                                  "hbm_guard: processes chose different plans")
 
-  def _write_report(self, status: str) -> bool:
+  def _write_report(self, status: str, above_class: dict[str, Any] | None = None) -> bool:
     data = report_lib.build(
         function=self._name, status=status, attempts=[a.to_dict() for a in self.attempts],
         final_plan=self._plan.to_dict() if status == "fits" else None,
         target=self._target.name if self._target else None, capacity_bytes=self._capacity,
-        max_class=self._max_class, ladder=[r.to_dict() for r in self._rungs])
+        max_class=self._max_class, ladder=[r.to_dict() for r in self._rungs],
+        above_class=above_class)
     return self._report.write(data)
 
   # -- calling --------------------------------------------------------------------------

@@ -37,8 +37,8 @@ class Probe:
   seconds: float
 
   def to_dict(self):
-    return {"plan": self.plan.describe(), "need_bytes": self.need_bytes,
-            "seconds": round(self.seconds, 3)}
+    return {"plan": self.plan.describe(), "rungs": list(with_rungs(self.plan, self.plan).rungs),
+            "need_bytes": self.need_bytes, "seconds": round(self.seconds, 3)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,15 @@ import tempfile
 from typing import Any
 
 from hbm_guard._src import diagnose as diagnose_lib
+from hbm_guard._src import record as record_lib
 
 SCHEMA = "hbm_guard.report/1"
 
 
 def build(*, function: str, status: str, attempts: list[dict[str, Any]],
           final_plan: dict[str, Any] | None, target: str | None, capacity_bytes: int | None,
-          max_class: str, ladder: list[dict[str, Any]], note: str | None = None
-          ) -> dict[str, Any]:
+          max_class: str, ladder: list[dict[str, Any]], note: str | None = None,
+          above_class: dict[str, Any] | None = None) -> dict[str, Any]:
   """The report as a dict. status: climbing | fits | exhausted | diagnosed | failed."""
   last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
   withheld = sorted({s["rung"] for a in attempts for s in a.get("skipped", ())
@@ -32,11 +33,88 @@ def build(*, function: str, status: str, attempts: list[dict[str, Any]],
       "compiles": len(attempts),
       "final_plan": final_plan,
       "withheld_rungs": withheld,
-      "next_steps": (last["diagnosis"]["advice"] if last and status != "fits" else []),
+      "next_steps": next_steps(attempts) if status != "fits" else [],
+      "largest_allocations": largest_allocations(last["record"]) if last else [],
+      "above_class": above_class,
       "attempts": attempts,
       "ladder": ladder,
       "note": note,
   }
+
+
+def _applied(plan: dict[str, Any]) -> set[str]:
+  """The rungs a plan (as a dict) has taken as far as they go."""
+  done = set(plan.get("rungs") or ())
+  if plan.get("donate_argnums"):
+    done.add("donate")
+  if plan.get("shard_state"):
+    done.add("reshard_fsdp")
+  if plan.get("offload_optimizer"):
+    done.add("offload_optimizer")
+  if plan.get("compute_dtype"):
+    done.add("bf16")
+  if plan.get("remat_policy") != "nothing_saveable":
+    done.discard("layer_remat")  # a weaker policy leaves room to go further
+  if (plan.get("microbatches") or 1) > 1:
+    done.discard("microbatch")
+  return done
+
+
+def next_steps(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The last diagnosis' advice, less what the plan has done or the step cannot take.
+
+  A rung the step is not plan-aware for, or that its platform rules out, is not advised as
+  is: the advice says what would unlock it instead.
+  """
+  last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
+  if last is None:
+    return []
+  done = _applied(attempts[-1].get("plan") or {})  # the latest plan compiled
+  blocked = {}
+  for a in attempts:
+    for s in a.get("skipped", ()):
+      if s.get("kind") in ("not_plan_aware", "not_applicable", "withheld"):
+        blocked.setdefault(s["rung"], s)
+  probed: dict[str, int] = {}  # rung -> the least a probed plan with it needed
+  for a in attempts:
+    for pr in (a.get("planning") or {}).get("probes", ()):
+      for r in pr.get("rungs", ()):
+        if pr.get("need_bytes") is not None:
+          probed[r] = min(probed.get(r, pr["need_bytes"]), pr["need_bytes"])
+  out = []
+  for adv in last["diagnosis"]["advice"]:
+    rung = adv.get("rung")
+    if rung in done:
+      continue
+    if rung in probed:
+      adv = dict(adv, text=f"{adv['text']} Probed here: the best plan with it needs "
+                 f"{diagnose_lib.format_bytes(probed[rung])}.")
+    if rung in blocked:
+      skip = blocked[rung]
+      adv = dict(adv, text=f"{adv['text']} Not applied here: {skip['reason']}.",
+                 blocked=skip["kind"])
+    out.append(adv)
+  return out
+
+
+def largest_allocations(record: dict[str, Any] | None, n: int = 8) -> list[dict[str, Any]]:
+  """The record's largest allocations, each with where it comes from and whether user
+  code can shrink it (program code and runtime reservations cannot)."""
+  if not record:
+    return []
+  allocs = list(record.get("allocations") or ()) + list(record.get("arguments_and_outputs") or ())
+  allocs = [a for a in allocs if a.get("size_bytes")]
+  allocs.sort(key=lambda a: -a["size_bytes"])
+  out = []
+  for a in allocs[:n]:
+    alloc = record_lib.Allocation.from_dict(a)
+    source = (f"{a['source_file']}:{a['source_line']}" if a.get("source_file")
+              and a.get("source_line") else a.get("source_file"))
+    out.append({"size_bytes": a["size_bytes"], "shape": a.get("shape_text"),
+                "padding_bytes": a.get("padding_bytes"),
+                "what": a.get("op_name") or a.get("xla_label") or a.get("allocation_type"),
+                "source": source, "user_code": not diagnose_lib.is_system(alloc)})
+  return out
 
 
 def default_dir() -> str:
@@ -72,14 +150,18 @@ def is_report(data: Any) -> bool:
 
 
 def write_atomic(path: str, data: dict[str, Any]) -> None:
+  """JSON to a temporary file beside `path`, fsync, then rename over it."""
+  write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
   """Write to a temporary file beside `path`, fsync, then rename over it."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".hbm_guard-", suffix=".json.tmp", dir=directory)
+  fd, tmp = tempfile.mkstemp(prefix=".hbm_guard-", suffix=".tmp", dir=directory)
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=2, sort_keys=False, default=str)
-      f.write("\n")
+      f.write(text)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -122,6 +204,19 @@ def render(data: dict[str, Any]) -> str:
                  + plan_lib.Plan.from_dict(data["final_plan"]).describe())
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
+  allocs = data.get("largest_allocations") or ()
+  if allocs:
+    lines.append("  largest allocations (last failure):")
+    for a in allocs[:6]:
+      pad = f", padding {fmt(a['padding_bytes'])}" if a.get("padding_bytes") else ""
+      where = f" at {a['source']}" if a.get("source") else ""
+      sys_note = "" if a.get("user_code", True) else " (program code / runtime: not user code)"
+      what = (a.get("what") or "?")[:90]
+      lines.append(f"    {fmt(a['size_bytes'])} {a.get('shape') or ''}{pad} {what}{where}{sys_note}")
+  above = data.get("above_class")
+  if above:
+    lines.append(f"  would fit with class '{above['class']}': {above['plan']} (predicted "
+                 f"{fmt(above['predicted_bytes'])} of {fmt(data.get('capacity_bytes'))})")
   if data.get("next_steps"):
     lines.append("  what to do next:")
     for adv in data["next_steps"][:6]:
