@@ -2,6 +2,8 @@
 
   hbm-guard explain [FILE|-] [--json]   exit 0: found one; 1: none; 2: usage error
   hbm-guard report REPORT.json [--html OUT.html]   a guard's post-mortem, for a person
+  hbm-guard preflight MOD:FACTORY --target T [--target T2] [--capacity C] [--max-class X]
+                      [--json]   exit 0: every target fits; 1: one does not; 2: usage
 """
 
 from __future__ import annotations
@@ -135,6 +137,39 @@ def _report(args, out: TextIO) -> int:
   return 0
 
 
+def _preflight(args, out: TextIO) -> int:
+  from hbm_guard._src import targets  # pylint: disable=g-import-not-at-top
+  targets.quiet_libtpu_on_cpu_host()
+  from hbm_guard._src import guard as guard_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import preflight  # pylint: disable=g-import-not-at-top
+  try:
+    for t in args.target:
+      targets.Target.parse(t).devices()  # unknown topology, no libtpu, libtpu busy: usage
+    made = preflight.load_factory(args.factory)()
+    step, step_args = made
+    if not isinstance(step, guard_lib.GuardedFunction):
+      raise ValueError("the factory must return (a guarded_jit step, its example arguments)")
+  except Exception as e:  # pylint: disable=broad-except  (a usage error, said plainly)
+    print(f"hbm-guard preflight: {e}", file=sys.stderr)
+    return 2
+  rows = [preflight.check(step, tuple(step_args), t, capacity=args.capacity,
+                          max_class=args.max_class) for t in args.target]
+  if args.json:
+    print(json.dumps(rows, indent=2, default=str), file=out)
+  else:
+    print(f"{'target':<12} {'fits':<5} {'compiles':>8} {'peak':>11} {'capacity':>11} "
+          f"{'seconds':>8}  plan", file=out)
+    for r in rows:
+      print(f"{r['target']:<12} {'yes' if r['fits'] else 'NO':<5} {r['compiles']:>8} "
+            f"{_fmt(r['peak_bytes']):>11} {_fmt(r['capacity_bytes']):>11} {r['seconds']:>8}  "
+            f"{r['plan'] or r.get('error', '')[:150]}", file=out)
+      for a in r["largest_allocations"]:
+        print(f"{'':<12} largest: {_fmt(a['size_bytes'])} {a.get('shape') or ''} "
+              f"{(a.get('what') or '')[:70]}{' at ' + a['source'] if a.get('source') else ''}",
+              file=out)
+  return 0 if all(r["fits"] for r in rows) else 1
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
   out = out or sys.stdout
   parser = argparse.ArgumentParser(
@@ -146,12 +181,20 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
   r = sub.add_parser("report", help="render a guarded_jit post-mortem report")
   r.add_argument("file", help="the report's JSON file")
   r.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page")
+  f = sub.add_parser("preflight", help="will a guarded step fit these TPU targets?")
+  f.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (guarded step, args)")
+  f.add_argument("--target", action="append", required=True, help="e.g. v5e:2x2; repeat")
+  f.add_argument("--capacity", default=None, help="per device: bytes, 16GiB, or a device")
+  f.add_argument("--max-class", default=None, choices=("exact", "numerics", "behaviour"))
+  f.add_argument("--json", action="store_true", help="print a list of objects, one a target")
   try:
     args = parser.parse_args(argv)
   except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
     return int(e.code or 0)
   if args.command == "explain":
     return _explain(args, out)
+  if args.command == "preflight":
+    return _preflight(args, out)
   return _report(args, out)
 
 

@@ -89,6 +89,11 @@ class GuardedFunction:
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
       raise ValueError(f"max_attempts must be a positive int, not {max_attempts!r}")
     functools.update_wrapper(self, fun)
+    self._options = dict(capacity=capacity, target=target, max_class=max_class,
+                         max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
+                         report_dir=report_dir, auto_fallback=auto_fallback,
+                         offload_filter=offload_filter, plan_cache=plan_cache, plan=plan,
+                         search=search, **jit_kwargs)
     self._fun = fun
     self._name = getattr(fun, "__name__", "step")
     self._target = targets_lib.Target.parse(target) if isinstance(target, str) else target
@@ -497,6 +502,10 @@ class GuardedFunction:
         return entry(args, kwargs)
     entry = self._fit(key, args, kwargs)
     return entry(layout_lib.place(args, entry.layout), kwargs)  # moved once, then direct
+
+  def replace(self, **options) -> "GuardedFunction":
+    """A new guarded step over the same function, with some options changed (a target)."""
+    return GuardedFunction(self._fun, **{**self._options, **options})
 
   def __get__(self, instance, owner=None):
     """As a method decorator: binds the instance as the first argument (like a function)."""

@@ -1,0 +1,65 @@
+"""Preflight: will this step fit these targets, with which plan, before a queue slot is spent.
+
+Like MaxText's train_compile.py, for any guarded step: for each target the step is fitted
+ahead of time with libtpu on this machine (no TPU needed), without running anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from typing import Any, Sequence
+
+from hbm_guard._src import errors
+from hbm_guard._src import guard as guard_lib
+from hbm_guard._src import report as report_lib
+
+
+def load_factory(spec: str):
+  """'package.module:factory' -> the factory; a usage error if it is not there."""
+  module_name, _, attr = spec.partition(":")
+  if not module_name or not attr:
+    raise ValueError(f"{spec!r} is not MODULE:FACTORY")
+  if "" not in sys.path and "." not in sys.path:
+    sys.path.insert(0, "")  # the working directory, as `python -m` has it
+  module = importlib.import_module(module_name)
+  factory = getattr(module, attr, None)
+  if not callable(factory):
+    raise ValueError(f"{module_name} has no callable {attr!r}")
+  return factory
+
+
+def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
+          capacity: str | int | None = None, max_class: str | None = None) -> dict[str, Any]:
+  """Fits `step` for `target` without running it; a row of the preflight table."""
+  options: dict[str, Any] = {"target": target, "capacity": capacity}
+  if max_class:
+    options["max_class"] = max_class
+  guarded = step.replace(**options)
+  t0 = time.perf_counter()
+  row: dict[str, Any] = {"target": target}
+  try:
+    guarded.fit(*args)
+    row["fits"] = True
+  except errors.HbmGuardError as e:
+    row["fits"] = False
+    row["error"] = str(e).split(" (https://")[0]
+  except Exception as e:  # pylint: disable=broad-except  (the compiler's own, not an OOM)
+    row["fits"] = False
+    row["error"] = f"{type(e).__name__}: {e}"[:500]
+  row["seconds"] = round(time.perf_counter() - t0, 1)
+  attempts = guarded.attempts
+  last = attempts[-1] if attempts else None
+  row["plan"] = guarded.plan.describe() if row["fits"] else None
+  row["compiles"] = len(attempts)
+  row["failed_compiles"] = sum(a.outcome != "fits" for a in attempts)
+  row["probes"] = sum(len((a.planning or {}).get("probes", ())) for a in attempts)
+  row["capacity_bytes"] = guarded._capacity  # pylint: disable=protected-access
+  row["peak_bytes"] = ((last.memory or {}).get("peak") if last and last.outcome == "fits"
+                       else (last.record.required_bytes if last and last.record else None))
+  failed = next((a for a in reversed(attempts) if a.record is not None), None)
+  row["largest_allocations"] = (report_lib.largest_allocations(failed.record.to_dict(), 3)
+                                if failed else [])
+  row["report"] = guarded.report_path
+  return row

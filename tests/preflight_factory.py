@@ -1,0 +1,18 @@
+"""A factory for `hbm-guard preflight` tests: a guarded step and abstract arguments."""
+
+import jax
+import jax.numpy as jnp
+
+import hbm_guard
+
+
+def _step(w, x):
+  g = jax.grad(lambda w: jnp.tanh(x @ w).mean())(w)
+  return w - 0.1 * g, g.mean()
+
+
+def make():
+  step = hbm_guard.guarded_jit(_step, state_argnums=0, plan_cache=False,
+                               report_dir="/tmp/hbm_guard_preflight_reports")
+  return step, (jax.ShapeDtypeStruct((1024, 1024), jnp.float32),  # 4 MiB of state
+                jax.ShapeDtypeStruct((8, 1024), jnp.float32))
