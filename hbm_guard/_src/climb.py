@@ -14,6 +14,7 @@ from absl import logging
 
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
+from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
@@ -79,10 +80,10 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
   compiles were spent. With `auto_fallback` off, stops after the first. `plan_next(plan,
   trial, facts)` (a planner) chooses the next plan; without it, the ladder's next rung."""
   attempts: list[Attempt] = []
-  plan = start
+  plan = hosts_lib.agree_plan(start)
   refits = 0
   while True:
-    trial = try_plan(plan)
+    trial = hosts_lib.agree_trial(try_plan(plan))
     if trial.outcome is compile_lib.Outcome.UNEVEN:  # not compiled: choose a count that divides
       batch = trial.uneven.batch_size
       refits += 1
@@ -110,6 +111,8 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
           temp_bytes=(trial.memory or {}).get("temp") or rec.temp_bytes, history=history)
     if nxt is not None and any(a.plan == nxt for a in attempts):
       nxt = None  # never compile a plan twice
+    if auto_fallback:
+      nxt = hosts_lib.agree_plan(nxt)  # process 0 decides, for every process
     attempt = Attempt(number, plan, "oom", trial.seconds, rec, diag, trial.memory,
                       tuple(skips), signature, loss_form, planning)
     attempts.append(attempt)

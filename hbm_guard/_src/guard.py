@@ -28,6 +28,7 @@ from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import errors
+from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
@@ -281,7 +282,7 @@ class GuardedFunction:
     def plan_next(plan, trial, facts):
       rec = trial.record
       if "planner" not in box:
-        capacity = self._capacity or rec.available_bytes
+        capacity = hosts_lib.agree_capacity(self._capacity or rec.available_bytes)
         if not capacity:
           return ladder_lib.next_plan(self._rungs, plan, facts, rec, self._max_class) + (None,)
         box["planner"] = planner_lib.Planner(
@@ -347,7 +348,8 @@ class GuardedFunction:
       if self._cache is not None and self._auto_fallback:
         cache_key = self._cache_key(args, kwargs)
         cached = self._cache.get(cache_key)
-        if cached is not None and cached.status == "exhausted":
+        if (cached is not None and cached.status == "exhausted"
+            and jax.process_count() == 1):  # many hosts climb together; never alone
           self._exhausted_from_cache(cache_key, cached)
         if cached is not None:
           logging.info("hbm_guard: %s starts from the cached plan %s (%s)", self._name,
@@ -370,7 +372,6 @@ class GuardedFunction:
             parts=self._cache_parts))
       if result.status is not climb_lib.Status.FITS:
         self._fail(result)
-      self._sync_across_hosts(result.plan)
       entry = self._plan_jit(self._local(result.plan), args)
       entry.allowed.add(key)
       self._by_signature[key] = entry
@@ -465,14 +466,6 @@ class GuardedFunction:
         f"{fmt(rec.required_bytes)} ({diag.scenario}: {diag.summary}) {where}",
         report_path=self._report.path, attempts=attempts)
     raise err from trial.error
-
-  def _sync_across_hosts(self, plan: plan_lib.Plan):
-    if jax.process_count() == 1:
-      return
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    digest = hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).digest()
-    multihost_utils.assert_equal(np.frombuffer(digest[:8], dtype=np.int64),
-                                 "hbm_guard: processes chose different plans")
 
   def _write_report(self, status: str, above_class: dict[str, Any] | None = None) -> bool:
     data = report_lib.build(

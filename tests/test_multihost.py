@@ -1,0 +1,43 @@
+"""Issue #10: two processes whose capacities differ end on one plan that fits both."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(capacities):
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HBM_GUARD_PLAN_CACHE="off")
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_main", str(i), str(port),
+                             cap], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env) for i, cap in enumerate(capacities)]
+  outs = []
+  for p in procs:
+    try:
+      out, err = p.communicate(timeout=300)  # a hang fails here, not forever
+    finally:
+      for q in procs:
+        if q.poll() is None:
+          q.kill()
+    assert p.returncode == 0, err[-3000:]
+    outs.append(json.loads(out.strip().splitlines()[-1]))
+  return outs
+
+
+def test_different_capacities_end_on_one_plan_that_fits_both():
+  # Process 0's plain compile fits; process 1's does not: only one process fails.
+  a, b = _run(["roomy", "tight"])
+  assert a["plan"] == b["plan"] and a["plan"]["microbatches"] > 1
+  assert a["attempts"] == b["attempts"] and a["attempts"][0][1] == "oom"
+  assert a["peak"] <= a["capacity"] and b["peak"] <= b["capacity"]
+  assert a["loss"] == b["loss"]
