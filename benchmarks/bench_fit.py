@@ -287,6 +287,8 @@ def main():
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   targets.quiet_libtpu_on_cpu_host()
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.FATAL)  # the strategies' failed compiles are expected
   rows = []
   for name in args.cases.split(","):
     rows += run_case(CASES[name])

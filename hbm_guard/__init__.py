@@ -32,6 +32,8 @@ from hbm_guard._src.record import Allocation
 from hbm_guard._src.record import E1000Record
 from hbm_guard._src.record import parse
 from hbm_guard._src.record import parse_size
+from hbm_guard._src.report import render_path as render_report
+from hbm_guard._src.targets import quiet_libtpu_on_cpu_host
 
 __version__ = "0.1.0"
 
@@ -62,6 +64,8 @@ __all__ = (
     "load_offloaded",
     "parse",
     "parse_size",
+    "quiet_libtpu_on_cpu_host",
+    "render_report",
     "store_offloaded",
     "value_and_grad",
 )

@@ -37,8 +37,17 @@ PLAN_CACHE = flags.DEFINE_string(
     "~/.cache/hbm_guard/plans.")
 
 
-def guard_options() -> dict:
-  """guarded_jit keyword arguments from the parsed flags."""
-  return dict(auto_fallback=AUTO_FALLBACK.value, max_class=MAX_CLASS.value,
-              max_attempts=MAX_ATTEMPTS.value, target=TARGET.value, capacity=CAPACITY.value,
-              report_dir=REPORT_DIR.value, ladder=LADDER.value, plan_cache=PLAN_CACHE.value)
+_HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempts": MAX_ATTEMPTS,
+            "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
+            "plan_cache": PLAN_CACHE}
+
+
+def guard_options(defaults: dict | None = None) -> dict:
+  """guarded_jit keyword arguments from the parsed flags.
+
+  `defaults` (e.g. a job's config) fill in what was not given on the command line: a flag
+  set explicitly wins, then the default, then the flag's own default.
+  """
+  defaults = defaults or {}
+  return {key: (holder.value if holder.present or key not in defaults else defaults[key])
+          for key, holder in _HOLDERS.items()}

@@ -1,33 +1,25 @@
 """Trips a real E1000 compiling a Flax train step for TPU v5e, and recovers.
 
-    python -m examples.recover_e1000.main                     # the defaults below
-    python -m examples.recover_e1000.main --hbm_guard_max_class=exact   # see it give up
+    python -m examples.recover_e1000.main
+    python -m examples.recover_e1000.main --config.batch=128 --hbm_guard_max_class=exact
 """
 
 from absl import app
-from absl import flags
+from ml_collections import config_flags
 
+import hbm_guard
 from hbm_guard import flags as hbm_flags
-from hbm_guard._src import report as report_lib
-from hbm_guard._src import targets
 from examples.recover_e1000 import train
 
-_STEPS = flags.DEFINE_integer("steps", 5, "Training steps to run after the plan fits.")
-_BATCH = flags.DEFINE_integer("batch", 64, "Global batch (sequences).")
-
-# This job's defaults: fall back automatically, for one v5e chip given a 96 MiB budget (a
-# tiny model needs a tiny budget to overflow), allowing microbatching (class numerics).
-flags.FLAGS.set_default("hbm_guard_auto_fallback", True)
-flags.FLAGS.set_default("hbm_guard_target", "v5e:1x1")
-flags.FLAGS.set_default("hbm_guard_capacity", "96MiB")
-flags.FLAGS.set_default("hbm_guard_max_class", "numerics")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "examples/recover_e1000/configs/default.py", "The job's settings.")
 
 
 def main(argv):
   del argv
-  targets.quiet_libtpu_on_cpu_host()  # libtpu only compiles here: keep its start-up quiet
-  cfg = train.Config(steps=_STEPS.value, batch=_BATCH.value)
-  losses, step = train.train(cfg, **hbm_flags.guard_options())
+  hbm_guard.quiet_libtpu_on_cpu_host()  # libtpu only compiles here: keep its start-up quiet
+  config = _CONFIG.value
+  losses, step = train.train_and_evaluate(config, **hbm_flags.guard_options(dict(config.guard)))
   for a in step.attempts:
     need = (a.record.required_bytes if a.record else a.memory and a.memory["peak"])
     print(f"compile #{a.number}: {a.plan.describe():<55} {a.outcome:<4} "
@@ -37,9 +29,7 @@ def main(argv):
   print("losses: " + " ".join(f"{x:.4f}" for x in losses))
   if step.report_path:
     print(f"report: {step.report_path}")
-    import json
-    with open(step.report_path, encoding="utf-8") as f:
-      print(report_lib.render(json.load(f)))
+    print(hbm_guard.render_report(step.report_path))
 
 
 if __name__ == "__main__":

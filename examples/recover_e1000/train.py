@@ -79,6 +79,16 @@ def make_batch(cfg: Config, step: int):
           "y": jax.random.normal(ky, (cfg.batch, cfg.seq, cfg.width))}
 
 
+def train_and_evaluate(config, **guard_options):
+  """Trains `config.steps` steps with a guarded step; returns (losses, the guarded step).
+
+  `config` is the ml_collections config of `configs/default.py` (or a `Config`).
+  """
+  cfg = Config(**{f.name: config[f.name] for f in dataclasses.fields(Config)
+                  if f.name in config}) if not isinstance(config, Config) else config
+  return train(cfg, **guard_options)
+
+
 def train(cfg: Config, **guard_options):
   """Trains `cfg.steps` steps with a guarded step; returns (losses, the guarded step)."""
   state = make_state(cfg)

@@ -222,3 +222,11 @@ def render(data: dict[str, Any]) -> str:
     for adv in data["next_steps"][:6]:
       lines.append(f"    [{adv['section']}] {adv['text']}")
   return "\n".join(lines)
+
+
+def render_path(report: str | os.PathLike | dict[str, Any]) -> str:
+  """A report (its path, or its dict) rendered for a person."""
+  if not isinstance(report, dict):
+    with open(report, encoding="utf-8") as f:
+      report = json.load(f)
+  return render(report)
