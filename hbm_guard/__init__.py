@@ -13,6 +13,7 @@ from hbm_guard._src.errors import HbmGuardError
 from hbm_guard._src.errors import InvalidLadderError
 from hbm_guard._src.errors import LadderExhaustedError
 from hbm_guard._src.errors import UnevenMicrobatchError
+from hbm_guard._src.errors import StateConsumedError
 from hbm_guard._src.errors import TpuCompilerBusyError
 from hbm_guard._src.errors import UnknownTargetError
 from hbm_guard._src.climb import Attempt
@@ -51,6 +52,7 @@ __all__ = (
     "InvalidLadderError",
     "LadderExhaustedError",
     "UnevenMicrobatchError",
+    "StateConsumedError",
     "TpuCompilerBusyError",
     "UnknownTargetError",
     "checkpoint",

@@ -126,3 +126,12 @@ def test_every_advice_cites_a_section_of_e1000():
     if d.scenario:
       assert all(a.section in sections for a in d.advice), name
       assert set(d.sections) <= sections
+
+
+def test_gpu_runtime_oom_names_the_preallocation_settings():
+  rec = hbm_guard.parse(body("044_jaxline-11-gpu-oom-bytes.txt"))
+  assert rec.kind == "runtime_gpu"
+  text = " ".join(a.text for a in hbm_guard.diagnose(rec).advice)
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in text and "XLA_PYTHON_CLIENT_PREALLOCATE" in text
+  tpu = hbm_guard.parse(body("032_pytorch-xla-1735-reserve-bottom-with-breakdown.txt"))
+  assert "XLA_PYTHON_CLIENT" not in " ".join(a.text for a in hbm_guard.diagnose(tpu).advice)

@@ -345,5 +345,17 @@ def diagnose(rec: record_lib.E1000Record) -> Diagnosis:
     advice.insert(0, Advice("S3", "This failed at run time, not compile time: other live "
                             "buffers (earlier steps, other programs) hold memory too; free "
                             "them or leave headroom."))
+  if rec.kind == record_lib.RUNTIME_GPU:
+    advice[1:1] = [
+        Advice("S3", "JAX preallocates 75% of GPU memory at start "
+               "(XLA_PYTHON_CLIENT_MEM_FRACTION=.75): the step can use only that fraction. "
+               "Raise it (e.g. XLA_PYTHON_CLIENT_MEM_FRACTION=.95) when this process is the "
+               "GPU's only user."),
+        Advice("S3", "Another process on the same GPU (a second job, a notebook) also "
+               "preallocates: give each its fraction, or set XLA_PYTHON_CLIENT_PREALLOCATE=false "
+               "(allocate on demand; fragmentation can then cost memory)."),
+        Advice("S3", "XLA_PYTHON_CLIENT_ALLOCATOR=platform frees memory as soon as it is "
+               "unused (slow; for debugging what holds memory)."),
+    ]
   return Diagnosis("S3", None, sections, summary, tuple(advice),
                    tuple(dict.fromkeys(a.rung for a in advice if a.rung)), large, padding)

@@ -56,6 +56,14 @@ class CapacityExceededError(_OutOfMemory):
   """
 
 
+class StateConsumedError(_OutOfMemory):
+  """The step ran out of memory at run time after its donated arguments were consumed.
+
+  The guard never retries with arguments that are gone. Restore the state (from a
+  checkpoint) and call again; the next fit starts from the plan that failed.
+  """
+
+
 class UnevenMicrobatchError(HbmGuardError, ValueError):
   """The batch does not split into the plan's number of microbatches.
 

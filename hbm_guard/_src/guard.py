@@ -33,6 +33,7 @@ from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
+from hbm_guard._src import record as record_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import targets as targets_lib
@@ -121,6 +122,7 @@ class GuardedFunction:
     self._by_signature: dict[Hashable, _PlanJit] = {}
     self._many_plans = False
     self._cache_parts: dict[str, Any] = {}
+    self._auto_capacity: int | None = None  # a GPU's free memory, when no capacity= given
     if search not in ("probes", "ladder"):
       raise ValueError(f"search must be 'probes' or 'ladder', not {search!r}")
     self._search = search
@@ -215,7 +217,7 @@ class GuardedFunction:
            ) -> compile_lib.Trial:
     """One compile under `plan`. A probe on a target gets a 1 MiB limit: libtpu's early
     check then fails it in seconds with what the plan needs."""
-    capacity = self._capacity
+    capacity = self._capacity if self._capacity is not None else self._auto_capacity
     if self._target is not None:
       devices = self._target.devices()
       layout = layout_lib.plan_layout(plan, args, [i for i, _ in self._replaced], devices,
@@ -282,7 +284,8 @@ class GuardedFunction:
     def plan_next(plan, trial, facts):
       rec = trial.record
       if "planner" not in box:
-        capacity = hosts_lib.agree_capacity(self._capacity or rec.available_bytes)
+        capacity = hosts_lib.agree_capacity(
+            self._capacity or self._auto_capacity or rec.available_bytes)
         if not capacity:
           return ladder_lib.next_plan(self._rungs, plan, facts, rec, self._max_class) + (None,)
         box["planner"] = planner_lib.Planner(
@@ -311,6 +314,47 @@ class GuardedFunction:
                 "predicted_bytes": choice.predicted_bytes}
     return None
 
+  def _device_capacity(self, args) -> int | None:
+    """Without capacity= on a GPU: the device's limit less what other live arrays hold."""
+    if self._capacity is not None or self._target is not None:
+      return None
+    if jax.default_backend() != "gpu":
+      return None
+    try:
+      stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # pylint: disable=broad-except
+      return None
+    return targets_lib.capacity_from_stats(stats, layout_lib.nbytes(
+        [x for x in jax.tree_util.tree_leaves(args) if isinstance(x, jax.Array)]))
+
+  def _donated_alive(self, entry: _PlanJit, args) -> bool:
+    """Whether every argument the plan donates is still there (not consumed)."""
+    donated = set(entry.plan.donate_argnums) | set(self._user_donate)
+    return not any(getattr(x, "is_deleted", lambda: False)()
+                   for i in donated if i < len(args) for x in jax.tree_util.tree_leaves(args[i]))
+
+  def _first_run(self, entry: _PlanJit, key, args, kwargs):
+    """The first call of a newly fitted plan: a runtime out-of-memory (a GPU allocating at
+    run time) is climbed from like a compile-time one, when nothing the caller held was
+    consumed; otherwise it is raised, saying so."""
+    try:
+      return entry(layout_lib.place(args, entry.layout), kwargs)
+    except jax.errors.JaxRuntimeError as e:
+      rec = record_lib.parse(e)
+      if rec is None or rec.is_compile_time or not self._auto_fallback:
+        raise
+      if not self._donated_alive(entry, args):
+        raise errors.StateConsumedError(
+            f"hbm_guard: {self._name} ran out of memory at its first call under "
+            f"{entry.plan.describe()}, after donated arguments were consumed: the guard "
+            "cannot retry without them. Restore the state (e.g. from a checkpoint) and "
+            "call again; the guard will refit from this plan.") from e
+      entry.allowed.discard(key)
+      trial = compile_lib.Trial(self._plan, compile_lib.Outcome.OOM, 0.0,
+                                entry.facts.get(key), rec, error=e)
+      entry = self._fit(key, args, kwargs, failed_run=trial)
+      return entry(layout_lib.place(args, entry.layout), kwargs)
+
   def _step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
     if self._target is not None:
       platform, devices = "tpu", self._target.devices()
@@ -337,15 +381,23 @@ class GuardedFunction:
       raise ValueError(f"hbm_guard: state_argnums {bad} out of range for {len(args)} "
                        f"positional argument(s) of {self._name}.")
 
-  def _fit(self, key, args, kwargs) -> _PlanJit:
-    """Fits one input signature (one at a time); returns the jit that runs it."""
+  def _fit(self, key, args, kwargs, failed_run: compile_lib.Trial | None = None) -> _PlanJit:
+    """Fits one input signature (one at a time); returns the jit that runs it.
+
+    `failed_run`: the plan in force compiled but ran out of memory at its first call (a
+    GPU); the climb starts from it as from a failed compile.
+    """
     with self._lock:
-      if key in self._by_signature:  # another thread fitted it meanwhile
+      if key in self._by_signature and failed_run is None:  # fitted by another thread
         return self._by_signature[key]
       self._check_argnums(args)
+      self._auto_capacity = self._device_capacity(args)
       start = self._plan if self._auto_fallback or self._pinned else plan_lib.Plan()
       cache_key = cached = None
-      if self._cache is not None and self._auto_fallback:
+      if failed_run is not None:
+        start = failed_run.plan
+        self._by_signature.pop(key, None)
+      elif self._cache is not None and self._auto_fallback:
         cache_key = self._cache_key(args, kwargs)
         cached = self._cache.get(cache_key)
         if (cached is not None and cached.status == "exhausted"
@@ -357,8 +409,13 @@ class GuardedFunction:
           start = cached.plan
       if not self._replaced and (start.shard_state or start.offload_optimizer):
         self._learn_state(args, kwargs)  # a planned layout needs the replaced state first
+      def try_plan(p):
+        if failed_run is not None and p == failed_run.plan:
+          return failed_run
+        return self._try(p, key, args, kwargs)
+
       result = climb_lib.climb(
-          lambda p: self._try(p, key, args, kwargs), start, rungs=self._rungs,
+          try_plan, start, rungs=self._rungs,
           max_class=self._max_class, max_attempts=self._max_attempts,
           auto_fallback=self._auto_fallback,
           step_facts=lambda t: self._step_facts(args, t),
@@ -494,7 +551,7 @@ class GuardedFunction:
       if entry is not None:  # fitted earlier, to another plan's jit
         return entry(args, kwargs)
     entry = self._fit(key, args, kwargs)
-    return entry(layout_lib.place(args, entry.layout), kwargs)  # moved once, then direct
+    return self._first_run(entry, key, args, kwargs)  # state moved once, then direct
 
   def replace(self, **options) -> "GuardedFunction":
     """A new guarded step over the same function, with some options changed (a target)."""

@@ -138,5 +138,15 @@ def compiler_counts_arguments(target: Target) -> bool:
   return False
 
 
+def capacity_from_stats(stats: dict[str, int] | None, step_argument_bytes: int) -> int | None:
+  """What a step may use on a device by its allocator's stats: the limit (what JAX may
+  allocate; 75% of the GPU by default) less live arrays other than the step's arguments,
+  which `memory_analysis()` counts itself."""
+  if not stats or not stats.get("bytes_limit"):
+    return None
+  others = max(0, int(stats.get("bytes_in_use", 0)) - int(step_argument_bytes))
+  return max(1, int(stats["bytes_limit"]) - others)
+
+
 def local_backend() -> str:
   return jax.default_backend()
