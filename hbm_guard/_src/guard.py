@@ -459,6 +459,9 @@ class GuardedFunction:
     """Traces (or lowers) under the default plan: which state the step replaces."""
     facts: dict = {}
     jitted = self._jit(plan_lib.Plan(), None, len(args), None, facts)
+    if lower:  # by shape and dtype only: where the caller's arrays live is not the program
+      args, kwargs = layout_lib.shapes_only(args, kwargs, self._static(len(args)),
+                                            self._jit_kwargs.get("static_argnames", ()))
     out = jitted.lower(*args, **kwargs) if lower else jitted.trace(*args, **kwargs)
     if not self._replaced and facts:
       first = next(iter(facts.values()))

@@ -105,3 +105,18 @@ def place(args, layout: Layout | None):
   for i, sharding in layout.items():
     args[i] = jax.device_put(args[i], sharding)
   return tuple(args)
+
+
+def shapes_only(args, kwargs, static_argnums: Iterable[int], static_argnames: Iterable[str]):
+  """Arguments as shapes and dtypes, without placement (committed or not, sharded or not)."""
+  static, names = set(static_argnums), set(static_argnames)
+
+  def strip(x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      return x
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                weak_type=bool(getattr(x, "weak_type", False)))
+
+  out = tuple(a if i in static else jax.tree.map(strip, a) for i, a in enumerate(args))
+  kw = {k: (v if k in names else jax.tree.map(strip, v)) for k, v in kwargs.items()}
+  return out, kw
