@@ -134,7 +134,11 @@ class GuardedFunction:
     self._pinned = plan is not None
     self._plan = plan or plan_lib.Plan()  # the latest fit's plan (a target's, not the local)
     self.attempts: list[climb_lib.Attempt] = []
-    self._hot = self._plan_jit(plan_lib.Plan(), None)
+    # The first call's jit only detects the new signature. It is never reused to run the
+    # step: a jit whose first trace raised loses jax's C++ fast path for good.
+    allowed: set = set()
+    self._hot = _PlanJit(plan_lib.Plan(), self._jit(plan_lib.Plan(), None, 0, allowed, {}),
+                         None, allowed, {})
 
   @property
   def plan(self) -> plan_lib.Plan:
