@@ -33,23 +33,30 @@ class Plan:
   def added(self, rung: str, **changes) -> "Plan":
     return dataclasses.replace(self, rungs=self.rungs + (rung,), **changes)
 
+  def field_rungs(self) -> tuple[tuple[str, str], ...]:
+    """(rung name, detail) for each plan-field rung the plan applies, in ladder order."""
+    parts = []
+    if self.donate_argnums:
+      parts.append(("donate", "donate"))
+    if self.shard_state:
+      parts.append(("reshard_fsdp", "reshard_fsdp"))
+    if self.remat_policy:
+      parts.append(("layer_remat", f"layer_remat({self.remat_policy})"))
+    if self.microbatches > 1:
+      parts.append(("microbatch", f"microbatch({self.microbatches})"))
+    if self.offload_optimizer:
+      parts.append(("offload_optimizer", "offload_optimizer"))
+    return tuple(parts)
+
   def describe(self) -> str:
     """What the plan does, by its fields (flag rungs by the names they were applied as)."""
     if self == Plan():
       return "plain jit"
-    parts = []
-    if self.donate_argnums:
-      parts.append("donate")
-    if self.shard_state:
-      parts.append("reshard_fsdp")
-    if self.remat_policy:
-      parts.append(f"layer_remat({self.remat_policy})")
-    if self.microbatches > 1:
-      parts.append(f"microbatch({self.microbatches})")
-    if self.offload_optimizer:
-      parts.append("offload_optimizer")
-    known = {"donate", "reshard_fsdp", "layer_remat", "microbatch", "offload_optimizer"}
-    flags = [r for r in dict.fromkeys(self.rungs) if r not in known and r != "bf16"]
+    fields = self.field_rungs()
+    parts = [detail for _, detail in fields]
+    known = {name for name, _ in fields} | {"donate", "reshard_fsdp", "layer_remat",
+                                            "microbatch", "offload_optimizer", "bf16"}
+    flags = [r for r in dict.fromkeys(self.rungs) if r not in known]
     if self.compiler_options:
       parts += flags or [",".join(f"{k}={v}" for k, v in self.compiler_options)]
     if self.compute_dtype:

@@ -149,17 +149,7 @@ def _key(plan: plan_lib.Plan) -> plan_lib.Plan:
 
 def with_rungs(plan: plan_lib.Plan, base: plan_lib.Plan) -> plan_lib.Plan:
   """Names the rungs a chosen plan applies, for the report."""
-  names = []
-  if plan.donate_argnums:
-    names.append("donate")
-  if plan.shard_state:
-    names.append("reshard_fsdp")
-  if plan.remat_policy:
-    names.append("layer_remat")
-  if plan.microbatches > 1:
-    names.append("microbatch")
-  if plan.offload_optimizer:
-    names.append("offload_optimizer")
+  names = [name for name, _ in plan.field_rungs()]
   extra = [r for r in base.rungs if r not in names]
   return dataclasses.replace(plan, rungs=tuple(names + extra))
 
