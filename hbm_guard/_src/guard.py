@@ -423,7 +423,8 @@ class GuardedFunction:
           max_class=self._max_class, max_attempts=self._max_attempts,
           auto_fallback=self._auto_fallback,
           step_facts=lambda t: self._step_facts(args, t),
-          first_number=len(self.attempts) + 1, signature=trace_lib.describe(key),
+          first_number=len(self.attempts) + 1,
+          signature=trace_lib.describe_args(args, kwargs, self._state_argnums),
           on_attempt=self._record,
           plan_next=self._planner(key, args, kwargs) if self._search == "probes" else None)
       if cache_key is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Hashable, Iterable
 
 import jax
+import numpy as np
 
 
 def _leaf_key(x) -> Hashable:
@@ -39,15 +40,23 @@ def signature(args: tuple, kwargs: dict, static_argnums: Iterable[int] = (),
   return (statics, static_kw, treedef, tuple(_leaf_key(x) for x in leaves))
 
 
-def describe(key: Hashable) -> str:
-  """A short human form of a signature: the shapes of its array leaves."""
-  try:
-    shapes = [f"{dtype}{list(shape)}" for shape, dtype, _ in
-              (leaf for leaf in key[3] if isinstance(leaf[0], tuple))]
-  except (TypeError, IndexError, ValueError):
-    return "?"
-  text = ", ".join(shapes[:6])
-  return text + (f", ... ({len(shapes)} arrays)" if len(shapes) > 6 else "")
+def describe_args(args: tuple, kwargs: dict, state_argnums: Iterable[int] = ()) -> str:
+  """The arguments as a person reads them: each non-state array's shape, the state summed."""
+  state = set(state_argnums)
+  parts, state_leaves = [], []
+  named = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+  for name, a in named:
+    leaves = [x for x in jax.tree_util.tree_leaves(a) if hasattr(x, "shape")]
+    if name.isdigit() and int(name) in state:
+      state_leaves += leaves
+    else:
+      parts += [f"{x.dtype}{list(x.shape)}" for x in leaves[:4]]
+      if len(leaves) > 4:
+        parts.append(f"... ({len(leaves)} arrays)")
+  if state_leaves:
+    nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in state_leaves)
+    parts.append(f"state: {len(state_leaves)} arrays, {nbytes / 2**20:.1f} MiB")
+  return ", ".join(parts)
 
 
 def _avals_equal(a, b) -> bool:
