@@ -199,6 +199,11 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
   return out, counts, skips
 
 
+def _probe_may_fit(planner: Planner, plan: plan_lib.Plan) -> bool:
+  need = planner.need(plan)
+  return need is None or need <= planner._capacity  # pylint: disable=protected-access
+
+
 def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
               facts: ladder_lib.StepFacts, rec, max_class: str
               ) -> tuple[plan_lib.Plan | None, list[ladder_lib.Skip], dict]:
@@ -231,6 +236,14 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
     rest = [r for r in rungs if r.kind not in _PLANNED]
     nxt, more = ladder_lib.next_plan(rest, closest, facts, rec, max_class)
     skips += more
+    # XLA's flags and a dtype are priced by probes too: a plan the probe's own figure puts
+    # over the capacity is passed over without a compile.
+    while nxt is not None and not _probe_may_fit(planner, nxt):
+      skips.append(ladder_lib.Skip(nxt.rungs[-1] if nxt.rungs else nxt.describe(),
+                                   f"probed: {nxt.describe()} needs {planner.need(nxt)} bytes",
+                                   ladder_lib.SkipKind.CANNOT_CLOSE_GAP))
+      nxt, more = ladder_lib.next_plan(rest, nxt, facts, rec, max_class)
+      skips += more
     info = {"chosen": nxt.describe() if nxt else None,
             "why": ("no planned plan is predicted to fit; the ladder's remaining rungs "
                     f"from the closest plan ({closest.describe()})")}
