@@ -21,11 +21,12 @@ from hbm_guard._src.guard import GuardedFunction
 from hbm_guard._src.guard import guarded_jit
 from hbm_guard._src.helpers import checkpoint
 from hbm_guard._src.helpers import compute_dtype
-from hbm_guard._src.helpers import load_offloaded
 from hbm_guard._src.helpers import current_remat_policy
-from hbm_guard._src.helpers import store_offloaded
 from hbm_guard._src.helpers import value_and_grad
 from hbm_guard._src.ladder import Rung
+from hbm_guard._src.offload import load_offloaded
+from hbm_guard._src.offload import offload_aware
+from hbm_guard._src.offload import store_offloaded
 from hbm_guard._src.ladder import load_ladder
 from hbm_guard._src.plan import Plan
 from hbm_guard._src.plan import current_plan
@@ -64,6 +65,7 @@ __all__ = (
     "guarded_jit",
     "load_ladder",
     "load_offloaded",
+    "offload_aware",
     "parse",
     "parse_size",
     "quiet_libtpu_on_cpu_host",

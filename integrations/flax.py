@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from hbm_guard._src import guard as guard_lib
 from hbm_guard._src import helpers
+from hbm_guard._src import offload
 
 
 def remat(target: Any, **kwargs) -> Any:
@@ -54,20 +55,21 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
 
   `loss_fn(params, batch, apply_fn)` returns the mean loss over the batch (and aux when
   `has_aux`). Gradients come from `hbm_guard.value_and_grad`, so the microbatch rung
-  applies; the optimizer state goes through `load_offloaded` / `store_offloaded`, so the
-  offload rung applies; remat and dtype apply inside the model through `remat` and
-  `compute_dtype`.
+  applies; the update goes through `hbm_guard.offload_aware(state.tx)`, so the offload
+  rung applies (the optimizer state streams through the device in parts);
+  remat and dtype apply inside the model through `remat` and `compute_dtype`.
   """
   def step(state, batch):
+    tx = state.tx
+
     def loss(params, batch):
       return loss_fn(params, batch, state.apply_fn)
     out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux)(
         state.params, batch)
     value, aux = out if has_aux else (out, None)
-    # Optimizer state comes to the device only for the update when the plan offloads it.
-    state = state.replace(opt_state=helpers.load_offloaded(state.opt_state))
-    state = state.apply_gradients(grads=grads)
-    state = state.replace(opt_state=helpers.store_offloaded(state.opt_state))
+    # With the offload rung the optimizer state streams through the device in the update.
+    state = state.replace(tx=offload.offload_aware(state.tx)).apply_gradients(grads=grads)
+    state = state.replace(tx=tx)
     metrics = {"loss": value}
     if aux is not None:
       metrics["aux"] = aux
@@ -96,10 +98,11 @@ def nnx_train_step(loss_fn: Callable, graphdef: Any, *, has_aux: bool = False,
   `loss_fn(model, batch)` returns the mean loss (with `has_aux`: `(loss, aux)`), or with
   `weighted=True` `(sum_of_losses, sum_of_weights)` (see `hbm_guard.value_and_grad`).
   Gradients are taken of the model's `nnx.Param`s through `hbm_guard.value_and_grad`
-  (microbatch rung); the optimizer's state comes to the device only for the update
-  (offload rung); `remat` and `compute_dtype` inside the model reach the rest. Returns the
-  new state and `{"loss": ..., "aux": ...}`. Model state other than parameters (batch
-  statistics, RNG counters) is read, not updated, by the step.
+  (microbatch rung); with the offload rung the optimizer's state lives on the host and
+  streams through the device in parts in the update (`offload_aware`);
+  `remat` and `compute_dtype` inside the model reach the rest. Returns the new state and
+  `{"loss": ..., "aux": ...}`. Model state other than parameters (batch statistics, RNG
+  counters) is read, not updated, by the step.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -112,9 +115,9 @@ def nnx_train_step(loss_fn: Callable, graphdef: Any, *, has_aux: bool = False,
     out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux,
                                         weighted=weighted)(params, batch)
     value, aux = out if has_aux else (out, None)
-    nnx.update(optimizer, helpers.load_offloaded(nnx.state(optimizer)))
+    # With the offload rung the optimizer state streams through the device in the update.
+    optimizer.tx = offload.offload_aware(optimizer.tx)
     optimizer.update(model, grads)
-    nnx.update(optimizer, helpers.store_offloaded(nnx.state(optimizer)))
     metrics = {"loss": value}
     if aux is not None:
       metrics["aux"] = aux

@@ -1,8 +1,8 @@
 """An nnx model and optimizer under guarded_jit: the ordinary nnx way, made plan-aware.
 
 `hg_flax.remat` wraps each layer (the remat rung), `hg_flax.nnx_train_step` takes the
-gradients through `hbm_guard.value_and_grad` (microbatching) and brings the optimizer state
-to the device only for the update (offload).
+gradients through `hbm_guard.value_and_grad` (microbatching) and, under the offload rung,
+streams the optimizer state from the host through the device in parts.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from hbm_guard.integrations import flax as hg_flax
 
 
 class MLP(nnx.Module):
-  def __init__(self, width: int, depth: int, rngs: nnx.Rngs):
-    self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+  """Residual blocks that widen to `hidden` and back: activations dominate the step."""
+
+  def __init__(self, width: int, hidden: int, depth: int, rngs: nnx.Rngs):
+    self.up = nnx.List([nnx.Linear(width, hidden, rngs=rngs) for _ in range(depth)])
+    self.down = nnx.List([nnx.Linear(hidden, width, rngs=rngs) for _ in range(depth)])
 
   def __call__(self, x):
-    block = hg_flax.remat(lambda layer, h: h + jnp.tanh(layer(h)))  # per layer, by plan
-    for layer in self.layers:
-      x = block(layer, x)
+    block = hg_flax.remat(lambda up, down, h: h + down(jnp.tanh(up(h))))  # remat by plan
+    for up, down in zip(self.up, self.down):
+      x = block(up, down, x)
     return x
 
 
@@ -39,7 +42,7 @@ def make_batch(config, step: int):
 
 def train_and_evaluate(config, **guard_options):
   """Trains `config.steps` steps; returns (losses, the guarded step)."""
-  model = MLP(config.width, config.depth, nnx.Rngs(config.seed))
+  model = MLP(config.width, config.hidden, config.depth, nnx.Rngs(config.seed))
   optimizer = nnx.Optimizer(model, optax.sgd(config.learning_rate, momentum=0.9),
                             wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))

@@ -13,9 +13,9 @@ class TrainTest(absltest.TestCase):
 
   def test_climbs_and_trains(self):
     config = default.get_config()
-    config.width, config.depth, config.batch, config.steps = 64, 2, 256, 2
+    config.width, config.hidden, config.depth, config.batch, config.steps = 64, 64, 2, 256, 2
     losses, step = train.train_and_evaluate(
-        config, capacity="450KiB", max_class="numerics", plan_cache=False,
+        config, capacity="600KiB", max_class="numerics", plan_cache=False,
         report_dir=tempfile.mkdtemp())
     self.assertLen(losses, 2)
     self.assertTrue(np.all(np.isfinite(losses)))

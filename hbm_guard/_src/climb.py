@@ -42,12 +42,14 @@ class Attempt:
   signature: str = ""  # the input shapes this attempt was for
   loss_form: str | None = None  # how the step's value_and_grad reduced its loss
   planning: dict[str, Any] | None = None  # the probes that chose the next plan, and why
+  optimizer_streaming: str | None = None  # offloaded state: per parameter, or whole
 
   def to_dict(self) -> dict[str, Any]:
     return {
         "number": self.number, "plan": self.plan.to_dict(), "described": self.plan.describe(),
         "outcome": self.outcome, "seconds": round(self.seconds, 3),
         "signature": self.signature, "loss_form": self.loss_form,
+        "optimizer_streaming": self.optimizer_streaming,
         "record": self.record.to_dict() if self.record else None,
         "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
         "memory": self.memory,
@@ -93,9 +95,11 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
       continue
     number = first_number + len(attempts)
     loss_form = trial.facts.loss_form if trial.facts else None
+    streaming = trial.facts.optimizer_streaming if trial.facts else None
     if trial.outcome is compile_lib.Outcome.FITS:
       attempt = Attempt(number, plan, "fits", trial.seconds, memory=trial.memory,
-                        signature=signature, loss_form=loss_form)
+                        signature=signature, loss_form=loss_form,
+                        optimizer_streaming=streaming)
       attempts.append(attempt)
       on_attempt(attempt)
       return Result(Status.FITS, plan, tuple(attempts), trial)
@@ -114,7 +118,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     if auto_fallback:
       nxt = hosts_lib.agree_plan(nxt)  # process 0 decides, for every process
     attempt = Attempt(number, plan, "oom", trial.seconds, rec, diag, trial.memory,
-                      tuple(skips), signature, loss_form, planning)
+                      tuple(skips), signature, loss_form, planning, streaming)
     attempts.append(attempt)
     on_attempt(attempt)
     if not auto_fallback:

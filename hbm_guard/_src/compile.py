@@ -38,6 +38,7 @@ class TraceFacts:
   n_outputs: int | None = None
   batch_size: int | None = None
   loss_form: str | None = None  # how value_and_grad reduced the loss
+  optimizer_streaming: str | None = None  # how offload_aware brought the state in
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,22 +224,3 @@ def _acc_dtype(dtype):
   if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
     return jnp.float32
   return dtype
-
-
-def load_offloaded(tree):
-  """In a step: bring state the plan keeps on host (pinned_host) to the device.
-
-  Call it where the state is first needed (for optimizer state: at the update, after the
-  backward pass), so the device holds it only then. Identity when the plan does not
-  offload; calling it is what makes the step plan-aware for the offload rung.
-  """
-  if not plan_lib.plan_value("offload_optimizer"):
-    return tree
-  return jax.device_put(tree, jax.memory.Space.Device)
-
-
-def store_offloaded(tree):
-  """In a step: send state the plan keeps on host back there (pairs with load_offloaded)."""
-  if not plan_lib.plan_value("offload_optimizer"):
-    return tree
-  return jax.device_put(tree, jax.memory.Space.Host)

@@ -173,6 +173,25 @@ def write_text_atomic(path: str, text: str) -> None:
     raise
 
 
+_LOSS_FORMS = {
+    "weighted_sum": "loss: weighted sums accumulated, divided once (exact under microbatching)",
+    "mean": "loss: mean of microbatch means (exact for a plain mean over examples only)"}
+_STREAMING = {
+    "streamed": "optimizer state: streamed through the device in parts (no update mixes them)",
+    "whole": "optimizer state: brought to the device whole (the update mixes parameters)"}
+
+
+def _forms(attempt: dict[str, Any]) -> list[str]:
+  """How the step's loss and offloaded state were handled, where the plan made it matter."""
+  plan = attempt.get("plan") or {}
+  out = []
+  if plan.get("microbatches", 1) > 1 and attempt.get("loss_form") in _LOSS_FORMS:
+    out.append(_LOSS_FORMS[attempt["loss_form"]])
+  if plan.get("offload_optimizer") and attempt.get("optimizer_streaming") in _STREAMING:
+    out.append(_STREAMING[attempt["optimizer_streaming"]])
+  return out
+
+
 def render(data: dict[str, Any]) -> str:
   """A report, for a person."""
   fmt = diagnose_lib.format_bytes
@@ -191,6 +210,7 @@ def render(data: dict[str, Any]) -> str:
                  + (f", needs {fmt(need)}" if need else "")
                  + (f" of {fmt(rec.get('capacity_bytes'))}" if rec.get("capacity_bytes") else "")
                  + f" ({a['seconds']}s)")
+    lines += [f"      {line}" for line in _forms(a)]
     for s in a.get("skipped", ()):
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
     planning = a.get("planning") or {}
