@@ -5,6 +5,8 @@ the real-compiler tests prove with libtpu's own figures that streaming lowers th
 that an nnx model climbs to microbatching and offload on a v5e target.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 import hbm_guard
 from hbm_guard._src import offload
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import report_html
 
 MiB = 2**20
 OFFLOAD = hbm_guard.Plan(offload_optimizer=True)
@@ -261,3 +264,6 @@ def test_nnx_model_climbs_to_microbatching_and_offload_on_v5e(tmp_path, v5e_devi
                s_guard, s_plain)
   report = hbm_guard.render_report(guarded.report_path)
   assert "streamed through the device in parts" in report
+  with open(guarded.report_path) as f:
+    page = report_html.render(json.load(f))
+  assert "streamed through the device in parts" in page

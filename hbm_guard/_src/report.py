@@ -181,7 +181,7 @@ _STREAMING = {
     "whole": "optimizer state: brought to the device whole (the update mixes parameters)"}
 
 
-def _forms(attempt: dict[str, Any]) -> list[str]:
+def forms(attempt: dict[str, Any]) -> list[str]:
   """How the step's loss and offloaded state were handled, where the plan made it matter."""
   plan = attempt.get("plan") or {}
   out = []
@@ -210,7 +210,7 @@ def render(data: dict[str, Any]) -> str:
                  + (f", needs {fmt(need)}" if need else "")
                  + (f" of {fmt(rec.get('capacity_bytes'))}" if rec.get("capacity_bytes") else "")
                  + f" ({a['seconds']}s)")
-    lines += [f"      {line}" for line in _forms(a)]
+    lines += [f"      {line}" for line in forms(a)]
     for s in a.get("skipped", ()):
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
     planning = a.get("planning") or {}

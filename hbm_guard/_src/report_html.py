@@ -13,6 +13,7 @@ from typing import Any
 
 from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import report as report_lib
 
 _fmt = diagnose_lib.format_bytes
 _PARTS = (("arguments", "#4e79a7"), ("outputs", "#f28e2b"), ("temporaries", "#e15759"),
@@ -121,7 +122,8 @@ def render(data: dict[str, Any]) -> str:
   for a in data.get("attempts") or []:
     rec = a.get("record") or {}
     need = rec.get("used_bytes") or rec.get("temp_bytes") or (a.get("memory") or {}).get("peak")
-    notes = [f"skipped {s['rung']}: {s['reason']}" for s in a.get("skipped", ())]
+    notes = report_lib.forms(a)
+    notes += [f"skipped {s['rung']}: {s['reason']}" for s in a.get("skipped", ())]
     planning = a.get("planning") or {}
     notes += [f"probe {p['plan']}: {_fmt(p['need_bytes'])}" for p in planning.get("probes", ())]
     if planning.get("why"):
