@@ -27,7 +27,7 @@ HEADROOM = ladder_lib.HEADROOM
 FLOPS_PER_HOST_BYTE = 4000.0  # host link vs compute on a TPU: ~25 GB/s against ~100 TFLOP/s
 MICROBATCH_OVERHEAD = 0.01  # per extra microbatch: a sequential loop, weights read again
 MAX_MICROBATCHES = 256
-PROBE_SCALE = 1.3  # libtpu's early figure at a 1 MiB limit ran 0.67-0.95 of the need at the real one
+PROBE_SCALE = 1.3  # before any real compile: libtpu's early figure ran 0.67-0.95 of the real need
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,8 @@ class Planner:
                flops: Callable[[plan_lib.Plan], float | None], capacity: int,
                scale: float = 1.0):
     self._probe, self._flops, self._capacity = probe, flops, capacity
-    self.scale = scale  # real need / probe figure, the largest seen (probes run low)
+    self.scale = scale  # real need / probe figure: the prior, then the largest measured
+    self._ratios: list[float] = []
     self.probes: list[Probe] = []
     self._need: dict[plan_lib.Plan, int | None] = {}
     self._cost: dict[plan_lib.Plan, float | None] = {}
@@ -81,10 +82,10 @@ class Planner:
     if not fits:
       self.failed.add(_key(plan))
     probe = self._need.get(_key(plan))
-    if real_bytes and probe:
-      ratio = real_bytes / probe
-      if not fits or ratio > self.scale:
-        self.scale = max(self.scale, ratio)
+    if real_bytes and probe and not (fits and real_bytes / probe < 1.0):
+      # A fit's ratio below 1 says nothing about how low probes run: keep it out.
+      self._ratios.append(real_bytes / probe)
+      self.scale = max(self._ratios)
 
   def known(self, plan: plan_lib.Plan, need: int | None):
     """A figure already measured (the failed attempt's own), so it is not probed again."""
