@@ -128,6 +128,11 @@ def test_parts_hold_about_equal_state_and_never_split_a_parameter():
   assert sorted(i for part in parts for i in part) == list(range(40))
   assert len(parts) <= offload.MAX_PARTS
   assert all(len(part) == 1 for part in parts[:4])  # each big array is a part of its own
+  # 16 parameters of equal state, then 4 without any (masked out): still 16 parts.
+  owner = list(range(16))
+  parts = offload._parts(owner, [jnp.zeros((10,))] * 16, 20)
+  assert len(parts) == offload.MAX_PARTS
+  assert sorted(i for part in parts for i in part) == list(range(20))
 
 
 def test_linen_train_state_streams_its_optimizer_state_from_the_host():

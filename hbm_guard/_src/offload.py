@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
-import numpy as np
 
+from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
 
 MAX_PARTS = 16  # the state streams in at most this many parts
@@ -117,7 +117,7 @@ def _parts(owner: Sequence[int | None], s_leaves, n: int) -> list[frozenset[int]
   size = [0] * n
   for o, x in zip(owner, s_leaves):
     if o is not None:
-      size[o] += _nbytes(x)
+      size[o] += layout_lib.nbytes(x)
   budget = max(1, -(-sum(size) // MAX_PARTS))
   parts, current, filled = [], [], 0
   for i in range(n):
@@ -126,13 +126,11 @@ def _parts(owner: Sequence[int | None], s_leaves, n: int) -> list[frozenset[int]
     if filled >= budget:
       parts.append(frozenset(current))
       current, filled = [], 0
-  if current:
+  if current and len(parts) == MAX_PARTS:  # only parameters without state are left
+    parts[-1] = parts[-1] | frozenset(current)
+  elif current:
     parts.append(frozenset(current))
   return parts
-
-
-def _nbytes(x) -> int:
-  return int(np.prod(jnp.shape(x))) * jnp.result_type(x).itemsize
 
 
 def _owners(tx, grads, state, params) -> list[int | None] | None:
