@@ -19,7 +19,7 @@ def get_config():
   config.guard.auto_fallback = True
   config.guard.target = "v5e:1x1"
   # The plain step needs 179 MiB, mostly activations; microbatching alone stops at 40
-  # (arguments: 32 MiB, 8 of them SGD's momentum); offload alone at 188. Both: about 30.
+  # (arguments: 32 MiB, 8 of them SGD's momentum); offload alone at 188. Both: 35 or less.
   config.guard.capacity = "36MiB"
   config.guard.max_class = "numerics"
   return config
