@@ -10,6 +10,7 @@ import hbm_guard
 from hbm_guard._src import compile as C
 from hbm_guard._src import ladder as L
 from hbm_guard._src import plan as plan_lib
+from tests import side_by_side
 
 VOCAB, SEQ, BATCH, WIDTH = 64, 16, 16, 32
 
@@ -169,12 +170,7 @@ def test_nnx_model_and_optimizer_climb_to_microbatching(tmp_path):
             {"name": "offload_optimizer", "kind": "offload", "class": "exact"}]
   guarded = hbm_guard.guarded_jit(step, state_argnums=0, capacity=capacity, ladder=ladder,
                                   max_class="numerics", report_dir=str(tmp_path))
-  plain = jax.jit(step)
-  s_plain, s_guard = state, jax.tree.map(jnp.copy, state)
-  for _ in range(10):
-    s_plain, m_plain = plain(s_plain, batch)
-    s_guard, m_guard = guarded(s_guard, batch)
-    np.testing.assert_allclose(m_guard["loss"], m_plain["loss"], rtol=1e-5)
+  s_guard, s_plain = side_by_side.train_side_by_side(step, guarded, state, batch, steps=10)
   assert guarded.plan.microbatches > 1 and 0 in guarded.plan.donate_argnums, guarded.attempts
   skipped = {s.rung: s.kind for a in guarded.attempts for s in a.skipped}
   assert skipped.get("offload_optimizer") in (None, L.SkipKind.NOT_APPLICABLE)  # CPU: host

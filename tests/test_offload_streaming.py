@@ -17,6 +17,7 @@ import hbm_guard
 from hbm_guard._src import offload
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import report_html
+from tests import side_by_side
 
 MiB = 2**20
 OFFLOAD = hbm_guard.Plan(offload_optimizer=True)
@@ -252,12 +253,7 @@ def test_nnx_model_climbs_to_microbatching_and_offload_on_v5e(tmp_path, v5e_devi
   # alone are 32); offload alone leaves the activations (188); both fit at 35 or less.
   guarded = hbm_guard.guarded_jit(step, state_argnums=0, target="v5e:1x1", capacity="36MiB",
                                   max_class="numerics", report_dir=str(tmp_path))
-  plain = jax.jit(step)
-  s_plain, s_guard = state, jax.tree.map(jnp.copy, state)
-  for _ in range(10):
-    s_plain, m_plain = plain(s_plain, batch)
-    s_guard, m_guard = guarded(s_guard, batch)
-    np.testing.assert_allclose(m_guard["loss"], m_plain["loss"], rtol=1e-5)
+  s_guard, s_plain = side_by_side.train_side_by_side(step, guarded, state, batch, steps=10)
   plan, last = guarded.plan, guarded.attempts[-1]
   assert plan.microbatches > 1 and plan.offload_optimizer, guarded.attempts
   assert last.outcome == "fits" and last.memory["peak"] <= 36 * MiB
