@@ -1,4 +1,5 @@
-"""Parse time of adversarial logs: runs of whitespace and repeated fragments, 1 MiB each.
+"""Parse time of adversarial logs: runs of whitespace (every character `str.isspace()`
+accepts) and repeated fragments, 1 MiB each.
 
     .venv/bin/python benchmarks/bench_parse_adversarial.py [--size-kib 1024]
 
@@ -35,6 +36,9 @@ def adversarial_inputs(size: int) -> dict[str, str]:
       "size: anchors": "size: " * (size // 6),
       "sizes": "1.0G " * (size // 5),
       "parentheses": "(" * size,
+      **{f"total rows of U+{ord(ch):04X}": total + ("    reserved" + ch * 4000 + "x\n") * (size // 4013)
+         for ch in record.UNICODE_WHITESPACE if ch not in " \n"},
+      "1 MiB of every whitespace": total + record.UNICODE_WHITESPACE * (size // len(record.UNICODE_WHITESPACE)),
   }
 
 

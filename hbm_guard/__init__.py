@@ -11,6 +11,9 @@ from hbm_guard._src.diagnose import format_bytes
 from hbm_guard._src.errors import CapacityExceededError
 from hbm_guard._src.errors import HbmGuardError
 from hbm_guard._src.errors import InvalidLadderError
+from hbm_guard._src.errors import InvalidOptionError
+from hbm_guard._src.errors import InvalidPlanError
+from hbm_guard._src.errors import UntrustedPlanError
 from hbm_guard._src.errors import LadderExhaustedError
 from hbm_guard._src.errors import UnevenMicrobatchError
 from hbm_guard._src.errors import StateConsumedError
@@ -28,6 +31,9 @@ from hbm_guard._src.offload import load_offloaded
 from hbm_guard._src.offload import offload_aware
 from hbm_guard._src.offload import store_offloaded
 from hbm_guard._src.ladder import load_ladder
+from hbm_guard._src.options import GuardOptions
+from hbm_guard._src.options import RungClass
+from hbm_guard._src.options import Search
 from hbm_guard._src.plan import Plan
 from hbm_guard._src.plan import current_plan
 from hbm_guard._src.record import Allocation
@@ -43,19 +49,25 @@ __all__ = (
     "Advice",
     "Allocation",
     "Attempt",
+    "GuardOptions",
     "GuardedFunction",
     "Plan",
     "Rung",
+    "RungClass",
+    "Search",
     "Diagnosis",
     "E1000Record",
     "CapacityExceededError",
     "HbmGuardError",
     "InvalidLadderError",
+    "InvalidOptionError",
+    "InvalidPlanError",
     "LadderExhaustedError",
     "UnevenMicrobatchError",
     "StateConsumedError",
     "TpuCompilerBusyError",
     "UnknownTargetError",
+    "UntrustedPlanError",
     "checkpoint",
     "compute_dtype",
     "current_plan",

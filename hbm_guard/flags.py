@@ -35,11 +35,19 @@ PLAN_CACHE = flags.DEFINE_string(
     "Directory remembering the plan that fit each program and input signature, so a "
     "restart compiles once; 'off' disables. Default: $HBM_GUARD_PLAN_CACHE, else "
     "~/.cache/hbm_guard/plans.")
-
+RETRY_EXHAUSTED = flags.DEFINE_bool(
+    "hbm_guard_plan_cache_retry_exhausted", False,
+    "Climb again even when the plan cache remembers that nothing fit this program (after "
+    "changing something the cache cannot see).")
+HEADROOM = flags.DEFINE_float(
+    "hbm_guard_headroom", 0.95,
+    "Fraction of the capacity a predicted figure must stay under; the compiler's exact "
+    "figure is held against the capacity itself.", lower_bound=0.5, upper_bound=1.0)
 
 _HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempts": MAX_ATTEMPTS,
             "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
-            "plan_cache": PLAN_CACHE}
+            "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
+            "headroom": HEADROOM}
 
 
 def guard_options(defaults: dict | None = None) -> dict:
@@ -51,3 +59,10 @@ def guard_options(defaults: dict | None = None) -> dict:
   defaults = defaults or {}
   return {key: (holder.value if holder.present or key not in defaults else defaults[key])
           for key, holder in _HOLDERS.items()}
+
+
+def options(defaults: dict | None = None, **overrides):
+  """The parsed flags as one checked `GuardOptions` (`guarded_jit(step, options=...)`);
+  `overrides` (state_argnums=0, jax.jit's options) are the binary's own."""
+  from hbm_guard._src import options as options_lib  # pylint: disable=g-import-not-at-top
+  return options_lib.make(**{**guard_options(defaults), **overrides})

@@ -82,3 +82,22 @@ def test_adversarial_whitespace_parses_in_linear_time(name):
   t0 = time.perf_counter()
   record._parse_text(text)
   assert time.perf_counter() - t0 < 2.0, name
+
+
+_SPACE_RUNS = st.lists(st.tuples(st.text(st.sampled_from(record.UNICODE_WHITESPACE), min_size=1,
+                                         max_size=4), st.integers(500, 4000)),
+                       min_size=1, max_size=6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_SPACE_RUNS)
+def test_runs_of_any_unicode_whitespace_parse_within_budget(runs):
+  # Issue #16: U+00A0, U+3000, U+2028, \x1f ... went quadratic where [ \t] did not.
+  head = ("Ran out of memory in memory space hbm. Used 1.00G of 512.00M hbm.\n"
+          "Total hbm usage >= 1.00G:\n")
+  rows = "".join(f"    reserved{unit * n}x {unit * n}1.0M\n" for unit, n in runs)
+  text = head + rows * max(1, (128 << 10) // max(1, len(rows)))
+  t0 = time.perf_counter()
+  rec = record._parse_text(text)
+  assert time.perf_counter() - t0 < 1.0
+  assert rec is not None and rec.used_bytes == 2**30

@@ -84,11 +84,13 @@ def test_concurrent_writers_leave_a_valid_entry(tmp_path):
   cache = PC.PlanCache(str(tmp_path))
   plans = [hbm_guard.Plan(microbatches=k) for k in (1, 2, 4, 8)]
   seen = []
+  parts = {"program": "p"}
+  key = PC.digest(parts)  # an entry's parts must hash to its key
 
   def work(i):
     for _ in range(50):
-      cache.put("k", PC.Entry("fits", plans[i % 4]))
-      got = cache.get("k")
+      cache.put(key, PC.Entry("fits", plans[i % 4], parts=parts))
+      got = cache.get(key)
       seen.append(got is not None and got.plan in plans)
 
   threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -98,8 +100,8 @@ def test_concurrent_writers_leave_a_valid_entry(tmp_path):
     t.join()
   assert all(seen) and len(seen) == 400
   assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
-  (tmp_path / "k.json").write_text("{damaged")
-  assert cache.get("k") is None  # a damaged entry is a miss
+  (tmp_path / f"{key}.json").write_text("{damaged")
+  assert cache.get(key) is None  # a damaged entry is a miss
 
 
 _RESTART = """

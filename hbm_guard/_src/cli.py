@@ -2,6 +2,7 @@
 
   hbm-guard explain [FILE|-] [--json]   exit 0: found one; 1: none; 2: usage error
   hbm-guard report REPORT.json [--html OUT.html]   a guard's post-mortem, for a person
+  hbm-guard cache list [DIR] | show KEY [DIR] | clear [DIR] [--key K] [--exhausted]
   hbm-guard preflight MOD:FACTORY --target T [--target T2] [--capacity C] [--max-class X]
                       [--json]   exit 0: every target fits; 1: one does not; 2: usage
 """
@@ -18,6 +19,7 @@ from hbm_guard._src import record as record_lib
 
 _fmt = diagnose_lib.format_bytes
 _MAX_LISTED = 5
+_MAX_REPORT_BYTES = 64 << 20
 
 
 def render_explanation(rec: record_lib.E1000Record, diag: diagnose_lib.Diagnosis) -> str:
@@ -106,10 +108,10 @@ def _explain(args, out: TextIO) -> int:
 
 def _report(args, out: TextIO) -> int:
   from hbm_guard._src import report as report_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import untrusted  # pylint: disable=g-import-not-at-top
   try:
-    with open(args.file, encoding="utf-8") as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
+    data = untrusted.read_json(args.file, max_bytes=_MAX_REPORT_BYTES)
+  except ValueError as e:
     print(f"hbm-guard report: cannot read {args.file}: {e}", file=sys.stderr)
     return 2
   if not report_lib.is_report(data):
@@ -122,8 +124,9 @@ def _report(args, out: TextIO) -> int:
     if args.html:
       from hbm_guard._src import report_html  # pylint: disable=g-import-not-at-top
       page = report_html.render(data)
-  except (KeyError, TypeError, ValueError) as e:
-    print(f"hbm-guard report: {args.file} is a damaged report: {e!r}", file=sys.stderr)
+  except Exception as e:  # pylint: disable=broad-except  (a damaged file: one line, exit 2)
+    print(f"hbm-guard report: {args.file} is a damaged report "
+          f"({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
     return 2
   if page is not None:
     try:
@@ -134,6 +137,59 @@ def _report(args, out: TextIO) -> int:
     print(f"wrote {args.html}", file=out)
   else:
     print(text, file=out)
+  return 0
+
+
+def _cache_entries(cache, prefix: str | None = None):
+  """(key, Entry or the reason it cannot be read) for each entry, or those with `prefix`."""
+  for key in cache.keys():
+    if prefix and not key.startswith(prefix):
+      continue
+    try:
+      yield key, cache.read(key)
+    except ValueError as e:
+      yield key, str(e)
+
+
+def _cache(args, out: TextIO) -> int:
+  from hbm_guard._src import plan_cache  # pylint: disable=g-import-not-at-top
+  cache = plan_cache.resolve(args.dir if args.dir else True)
+  if cache is None:
+    print("hbm-guard cache: the plan cache is off ($HBM_GUARD_PLAN_CACHE); name a directory",
+          file=sys.stderr)
+    return 2
+  if args.action == "list":
+    rows = list(_cache_entries(cache))
+    print(f"{cache.directory}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}", file=out)
+    for key, e in rows:
+      if isinstance(e, str):
+        print(f"  {key[:16]}  damaged    {e[:100]}", file=out)
+        continue
+      age = e.age_seconds()
+      print(f"  {key[:16]}  {e.status:<9}  {'?' if age is None else f'{age / 3600:.1f}h':>6}  "
+            f"{str(e.parts.get('where'))[:40]:<24} {_fmt(e.parts.get('capacity')):>10}  "
+            f"{e.parts.get('max_class')}  {e.plan.describe()}", file=out)
+    return 0
+  if args.action == "show":
+    found = list(_cache_entries(cache, args.key))
+    if len(found) != 1:
+      print(f"hbm-guard cache: {len(found)} entries start with {args.key!r} in "
+            f"{cache.directory}", file=sys.stderr)
+      return 2
+    key, e = found[0]
+    if isinstance(e, str):
+      print(f"hbm-guard cache: {cache.path(key)} is damaged: {e}", file=sys.stderr)
+      return 1
+    print(json.dumps({"key": key, "path": cache.path(key), **e.to_dict()}, indent=2,
+                     default=str), file=out)
+    return 0
+  removed = 0
+  for key, e in list(_cache_entries(cache, args.key)):
+    if args.exhausted and (isinstance(e, str) or e.status != "exhausted"):
+      continue
+    removed += cache.remove(key)
+  print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {cache.directory}",
+        file=out)
   return 0
 
 
@@ -181,6 +237,20 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
   r = sub.add_parser("report", help="render a guarded_jit post-mortem report")
   r.add_argument("file", help="the report's JSON file")
   r.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page")
+  c = sub.add_parser("cache", help="list, show or clear the plans the plan cache remembers")
+  actions = c.add_subparsers(dest="action", required=True)
+  where = ("the cache directory (default: $HBM_GUARD_PLAN_CACHE, else "
+           "~/.cache/hbm_guard/plans)")
+  a = actions.add_parser("list", help="one line an entry")
+  a.add_argument("dir", nargs="?", default=None, help=where)
+  a = actions.add_parser("show", help="one entry, whole, as JSON")
+  a.add_argument("key", help="the entry's key (a unique prefix is enough)")
+  a.add_argument("dir", nargs="?", default=None, help=where)
+  a = actions.add_parser("clear", help="remove entries")
+  a.add_argument("dir", nargs="?", default=None, help=where)
+  a.add_argument("--key", default=None, help="only entries whose key starts so")
+  a.add_argument("--exhausted", action="store_true",
+                 help="only entries that remember that nothing fit")
   f = sub.add_parser("preflight", help="will a guarded step fit these TPU targets?")
   f.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (guarded step, args)")
   f.add_argument("--target", action="append", required=True, help="e.g. v5e:2x2; repeat")
@@ -195,6 +265,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     return _explain(args, out)
   if args.command == "preflight":
     return _preflight(args, out)
+  if args.command == "cache":
+    return _cache(args, out)
   return _report(args, out)
 
 

@@ -83,6 +83,30 @@ class InvalidLadderError(HbmGuardError, ValueError):
   """A ladder definition is malformed: unknown kind, class or key, or a missing field."""
 
 
+class InvalidPlanError(HbmGuardError, ValueError):
+  """A plan (a `Plan`, its dict, a JSON file) is malformed: an unknown field, a wrong type,
+  a value out of range. Plans come from files other people wrote; nothing in one is
+  applied until every field has been checked."""
+
+
+class UntrustedPlanError(InvalidPlanError):
+  """A plan asks for more than this guard's own options allow.
+
+  A plan from outside (`plan=`, a report's `final_plan`, a plan cache entry) may only do
+  what the guard could have chosen itself: rungs of its ladder within `max_class`,
+  donation of `state_argnums` (or the user's own `donate_argnums`), compiler options that
+  the ladder's rungs define. Raise `max_class`, extend the ladder, or fix the plan.
+  """
+
+
+class InvalidOptionError(HbmGuardError, ValueError):
+  """An option given to `guarded_jit` (or its flags) has the wrong type or value.
+
+  Every option is checked once, when the guarded step is built; the message names the
+  option and what it accepts.
+  """
+
+
 class UnknownTargetError(HbmGuardError, ValueError):
   """`target=` or `capacity=` names no known device or topology."""
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -31,6 +32,7 @@ from hbm_guard._src import errors
 from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
+from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import record as record_lib
@@ -82,57 +84,40 @@ class _PlanJit:
 class GuardedFunction:
   """A jitted step that recompiles down the ladder when it does not fit. See guarded_jit."""
 
-  def __init__(self, fun: Callable, *, capacity=None, target=None, max_class="exact",
-               max_attempts=8, ladder=None, state_argnums=(), report_dir=None,
-               auto_fallback=True, offload_filter=default_offload_filter, plan_cache=None,
-               plan=None, search="probes", **jit_kwargs):
-    if max_class not in ladder_lib.CLASSES:
-      raise ValueError(f"max_class must be one of {ladder_lib.CLASSES}, not {max_class!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-      raise ValueError(f"max_attempts must be a positive int, not {max_attempts!r}")
+  def __init__(self, fun: Callable, options: options_lib.GuardOptions | None = None,
+               **kwargs):
+    if options is None:
+      options = options_lib.make(**kwargs)
+    elif kwargs:
+      options = options_lib.make(**{**options.as_kwargs(), **kwargs})
     functools.update_wrapper(self, fun)
-    self._options = dict(capacity=capacity, target=target, max_class=max_class,
-                         max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
-                         report_dir=report_dir, auto_fallback=auto_fallback,
-                         offload_filter=offload_filter, plan_cache=plan_cache, plan=plan,
-                         search=search, **jit_kwargs)
+    self.options = options
     self._fun = fun
     self._name = getattr(fun, "__name__", "step")
-    self._target = targets_lib.Target.parse(target) if isinstance(target, str) else target
-    self._capacity = targets_lib.parse_capacity(capacity)
-    if self._capacity is None and self._target is not None:
-      self._capacity = self._target.hbm_bytes
-    self._max_class = max_class
-    self._max_attempts = max_attempts
-    self._rungs = ladder_lib.load_ladder(ladder)
-    self._state_argnums = argnums_lib.as_tuple(state_argnums)
-    self._offload_filter = offload_filter
-    self._auto_fallback = bool(auto_fallback)
-    self._user_donate = argnums_lib.as_tuple(jit_kwargs.pop("donate_argnums", None))
-    for key, kind in (("static_argnums", int), ("static_argnames", str)):
-      if jit_kwargs.get(key) is not None:
-        jit_kwargs[key] = argnums_lib.as_tuple(jit_kwargs[key], kind)
-    self._jit_kwargs = dict(jit_kwargs)  # donation is merged per plan
+    self._target = options.target
+    self._capacity = options.budget
+    self._max_class = options.max_class
+    self._max_attempts = options.max_attempts
+    self._rungs = options.ladder
+    self._state_argnums = options.state_argnums
+    self._offload_filter = options.offload_filter
+    self._auto_fallback = options.auto_fallback
+    self._user_donate = options.user_donate
+    self._jit_kwargs = options.jax_jit_kwargs()  # donation is merged per plan
     self._replaced: tuple[tuple[int, Any], ...] = ()  # learnt at the first trace
     self._n_outputs: int | None = None
-    self._cache = plan_cache_lib.resolve(plan_cache)
-    self._report = report_lib.Writer(report_dir, f"{self._name}-{os.getpid()}-{id(self):x}")
+    self._cache = plan_cache_lib.resolve(options.plan_cache)
+    self._report = report_lib.Writer(options.report_dir,
+                                     f"{self._name}-{os.getpid()}-{id(self):x}")
     self._lock = threading.RLock()
     self._jits: dict[Hashable, _PlanJit] = {}
     self._by_signature: dict[Hashable, _PlanJit] = {}
     self._many_plans = False
     self._cache_parts: dict[str, Any] = {}
     self._auto_capacity: int | None = None  # a GPU's free memory, when no capacity= given
-    if search not in ("probes", "ladder"):
-      raise ValueError(f"search must be 'probes' or 'ladder', not {search!r}")
-    self._search = search
-    if isinstance(plan, (str, os.PathLike)):
-      with open(plan, encoding="utf-8") as f:
-        plan = plan_lib.Plan.from_dict(json.load(f))
-    elif isinstance(plan, dict):
-      plan = plan_lib.Plan.from_dict(plan)
-    self._pinned = plan is not None
-    self._plan = plan or plan_lib.Plan()  # the latest fit's plan (a target's, not the local)
+    self._search = options.search
+    self._pinned = options.plan is not None
+    self._plan = options.plan or plan_lib.Plan()  # the latest fit's plan (a target's)
     self.attempts: list[climb_lib.Attempt] = []
     # The first call's jit only detects the new signature. It is never reused to run the
     # step: a jit whose first trace raised loses jax's C++ fast path for good.
@@ -183,8 +168,9 @@ class GuardedFunction:
     donate = tuple(sorted(set(self._user_donate) | set(plan.donate_argnums)))
     if donate:
       kw["donate_argnums"] = donate
-    if plan.compiler_options:
-      kw["compiler_options"] = dict(plan.compiler_options)
+    if plan.compiler_options:  # the user's own options, and the plan's over them
+      kw["compiler_options"] = {**(kw.get("compiler_options") or {}),
+                                **dict(plan.compiler_options)}
     if layout:
       static = set(self._static(nargs))
       kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
@@ -243,7 +229,7 @@ class GuardedFunction:
       def compile_fn():
         return jitted.lower(*targs, **tkw).compile(options)
     else:
-      entry = self._plan_jit(plan, args)
+      entry = self._plan_jit(self._local(plan), args)
       entry.allowed.add(key)
       facts = entry.facts
       largs, lkw = (layout_lib.abstract_args(
@@ -296,7 +282,8 @@ class GuardedFunction:
         box["planner"] = planner_lib.Planner(
             lambda p: self._probe(p, key, args, kwargs),
             lambda p: self._flops(p, args, kwargs), capacity,
-            scale=planner_lib.PROBE_SCALE if self._target is not None else 1.0)
+            scale=planner_lib.PROBE_SCALE if self._target is not None else 1.0,
+            exact=self._target is None, headroom=self.options.headroom)
       planner = box["planner"]
       box["last"] = (plan, facts)
       planner.observe(plan, rec.required_bytes, fits=False)
@@ -398,16 +385,19 @@ class GuardedFunction:
       self._check_argnums(args)
       self._auto_capacity = self._device_capacity(args)
       start = self._plan if self._auto_fallback or self._pinned else plan_lib.Plan()
+      if self._pinned and start is self.options.plan:  # negative argnums known only now
+        start = self.options.trusted(start, nargs=len(args), source="plan=")
       cache_key = cached = None
       if failed_run is not None:
         start = failed_run.plan
         self._by_signature.pop(key, None)
       elif self._cache is not None and self._auto_fallback:
         cache_key = self._cache_key(args, kwargs)
-        cached = self._cache.get(cache_key)
-        if (cached is not None and cached.status == "exhausted"
-            and jax.process_count() == 1):  # many hosts climb together; never alone
-          self._exhausted_from_cache(cache_key, cached)
+        cached = self._cache.get(cache_key, lambda e: self._trusted_entry(e, len(args)))
+        if cached is not None and cached.status == "exhausted":
+          if jax.process_count() == 1 and not self.options.plan_cache_retry_exhausted:
+            self._exhausted_from_cache(cache_key, cached)  # many hosts never stop alone
+          cached = None
         if cached is not None:
           logging.info("hbm_guard: %s starts from the cached plan %s (%s)", self._name,
                        cached.plan.describe(), self._cache.path(cache_key))
@@ -432,7 +422,7 @@ class GuardedFunction:
         self._cache.put(cache_key, plan_cache_lib.Entry(
             status="fits" if result.status is climb_lib.Status.FITS else "exhausted",
             plan=result.plan, attempts=tuple(a.to_dict() for a in result.attempts),
-            parts=self._cache_parts))
+            parts=self._cache_parts, written_at=time.time()))
       if result.status is not climb_lib.Status.FITS:
         self._fail(result)
       entry = self._plan_jit(self._local(result.plan), args)
@@ -458,7 +448,12 @@ class GuardedFunction:
         "program": hashlib.sha256(lowered.as_text().encode()).hexdigest(), "where": where,
         "capacity": self._capacity, "max_class": self._max_class,
         "ladder": [r.to_dict() for r in self._rungs], "state_argnums": self._state_argnums,
+        "max_attempts": self._max_attempts, "search": self._search,
+        "headroom": self.options.headroom,
+        "compiler_options": self.options.jit_kwargs.get("compiler_options"),
+        "compile_environment": plan_cache_lib.compile_environment(),
         "versions": plan_cache_lib.versions()}
+    self._cache_parts = json.loads(json.dumps(self._cache_parts, default=repr))
     return plan_cache_lib.digest(self._cache_parts)
 
   def _learn_state(self, args, kwargs, lower: bool = False):
@@ -474,21 +469,49 @@ class GuardedFunction:
       self._replaced, self._n_outputs = first.replaced, first.n_outputs
     return out
 
+  def _trusted_entry(self, entry: plan_cache_lib.Entry, nargs: int) -> plan_cache_lib.Entry:
+    """A cache entry as this guard may use it: its plans within the options, an
+    exhaustion young enough to believe; a ValueError (a miss) otherwise."""
+    source = "the plan cache entry"
+    plan = self.options.trusted(entry.plan, nargs=nargs, source=source)
+    if entry.status != "exhausted":
+      return dataclasses.replace(entry, plan=plan, attempts=())
+    age = entry.age_seconds()
+    if age is None or not -300 <= age <= plan_cache_lib.EXHAUSTED_MAX_AGE_S:
+      raise ValueError("an exhaustion of unknown age, or older than "
+                       f"{plan_cache_lib.EXHAUSTED_MAX_AGE_S / 86400:.0f} days, is not believed")
+    attempts = []
+    for i, a in enumerate(entry.attempts[:self._max_attempts], start=1):
+      tried = self.options.trusted(plan_lib.Plan.from_dict(a.get("plan")), nargs=nargs,
+                                   source=source)
+      if a.get("outcome") != "oom":
+        raise ValueError("an exhaustion whose attempts did not all fail")
+      attempts.append({"number": i, "plan": tried.to_dict(), "described": tried.describe(),
+                       "outcome": "oom", "seconds": 0.0, "signature": "", "skipped": []})
+    if not attempts:
+      raise ValueError("an exhaustion with no attempts")
+    return dataclasses.replace(entry, plan=plan, attempts=tuple(attempts))
+
   def _exhausted_from_cache(self, cache_key: str, cached):
-    """A retry after exhaustion does not climb again: same program, same answer."""
+    """A retry after exhaustion does not climb again: same program, same answer. Unless
+    asked to: the error says how old the answer is and what it covers."""
+    path = self._cache.path(cache_key)
     data = report_lib.build(
         function=self._name, status="exhausted", attempts=list(cached.attempts),
         final_plan=None, target=self._target.name if self._target else None,
         capacity_bytes=self._capacity, max_class=self._max_class,
         ladder=[r.to_dict() for r in self._rungs],
-        note=f"from the plan cache {self._cache.path(cache_key)}: no compile was made")
+        note=f"from the plan cache {path}: no compile was made")
     written = self._report.write(data)
+    age = cached.age_seconds() or 0.0
     raise errors.LadderExhaustedError(
-        f"hbm_guard: no plan fits {self._name}: the plan cache remembers "
-        f"{len(cached.attempts)} compile(s) of this program for this target that all failed "
-        f"(last: {cached.plan.describe()}); nothing was compiled. Delete "
-        f"{self._cache.path(cache_key)} to climb again, or change what decides the plan "
-        f"(max_class, capacity, ladder). "
+        f"hbm_guard: no plan fits {self._name}: the plan cache remembers, from "
+        f"{age / 3600:.1f} h ago, {len(cached.attempts)} compile(s) of this program for "
+        f"{self._cache_parts.get('where')} that all failed (last: {cached.plan.describe()}), "
+        "under the same capacity, ladder, max_class, compiler flags (XLA_FLAGS, "
+        "LIBTPU_INIT_ARGS, jax config) and versions; nothing was compiled. To climb again: "
+        "plan_cache_retry_exhausted=True (--hbm_guard_plan_cache_retry_exhausted), or "
+        f"`hbm-guard cache clear {self._cache.directory}`. "
         + (f"Report: {self._report.path}" if written else "The report could not be written."),
         report_path=self._report.path)
 
@@ -564,7 +587,7 @@ class GuardedFunction:
 
   def replace(self, **options) -> "GuardedFunction":
     """A new guarded step over the same function, with some options changed (a target)."""
-    return GuardedFunction(self._fun, **{**self._options, **options})
+    return GuardedFunction(self._fun, self.options, **options)
 
   def __get__(self, instance, owner=None):
     """As a method decorator: binds the instance as the first argument (like a function)."""
@@ -619,6 +642,9 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
                 auto_fallback: bool = True,
                 plan_cache: str | os.PathLike | bool | None = None,
                 plan: plan_lib.Plan | dict | str | None = None, search: str = "probes",
+                headroom: float = ladder_lib.HEADROOM,
+                plan_cache_retry_exhausted: bool = False,
+                options: options_lib.GuardOptions | None = None,
                 **jit_kwargs):
   """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.
 
@@ -639,15 +665,22 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
     report_dir: where the post-mortem JSON goes (default $HBM_GUARD_REPORT_DIR or
       ./hbm_guard_reports); written atomically after every attempt.
     auto_fallback: False: diagnose and report, change nothing, and raise (the compiler's
-      own error, or CapacityExceededError for `capacity=`).
+      own error, or CapacityExceededError for `capacity=`). A bool, nothing else.
     plan_cache: a directory remembering the plan that fit each program and input
       signature, so a restarted job compiles once and fails none; True/None: $HBM_GUARD_PLAN_CACHE,
       else ~/.cache/hbm_guard/plans; False (or "off"): no cache.
-    plan: the plan to start from: a `Plan`, its dict, or a JSON file (as the report's
-      `final_plan`). With `auto_fallback=False` the plan is pinned: compiled as is, and an
-      error if it does not fit.
+    plan: the plan to start from: a `Plan`, its dict, a JSON file (as the report's
+      `final_plan`), or a report. It must stay within these options (its rungs within
+      `max_class`, donation within `state_argnums`). With `auto_fallback=False` the plan
+      is pinned: compiled as is, and an error if it does not fit.
     search: "probes" (default): after a failure, price candidate plans by cheap probes and
       compile the cheapest predicted to fit; "ladder": the next rung, one compile each.
+    headroom: the fraction of the capacity a *predicted* figure must stay under (0.5-1.0);
+      the compiler's exact figure of a compiled plan is held against the capacity itself.
+    plan_cache_retry_exhausted: climb again even when the plan cache remembers that
+      nothing fit this program.
+    options: a `GuardOptions` holding all of the above; keyword arguments given as well
+      replace its fields.
     **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
 
   Example:
@@ -655,10 +688,20 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
     state, metrics = step(state, batch)
     step.plan, step.attempts
   """
-  options = dict(capacity=capacity, target=target, max_class=max_class,
-                 max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
-                 report_dir=report_dir, auto_fallback=auto_fallback, plan_cache=plan_cache,
-                 plan=plan, search=search, **jit_kwargs)
+  given = dict(capacity=capacity, target=target, max_class=max_class,
+               max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
+               report_dir=report_dir, auto_fallback=auto_fallback, plan_cache=plan_cache,
+               plan=plan, search=search, headroom=headroom,
+               plan_cache_retry_exhausted=plan_cache_retry_exhausted, **jit_kwargs)
+  if options is not None:  # only what differs from guarded_jit's defaults overrides it
+    defaults = dict(capacity=None, target=None, max_class="exact", max_attempts=8,
+                    ladder=None, state_argnums=(), report_dir=None, auto_fallback=True,
+                    plan_cache=None, plan=None, search="probes", headroom=ladder_lib.HEADROOM,
+                    plan_cache_retry_exhausted=False)
+    given = {k: v for k, v in given.items() if k not in defaults or v is not defaults[k]
+             and v != defaults[k]}
   if fun is None:
-    return functools.partial(guarded_jit, **options)
-  return GuardedFunction(fun, **options)
+    return functools.partial(guarded_jit, options=options, **given)
+  if options is None:
+    return GuardedFunction(fun, options_lib.make(**given))
+  return GuardedFunction(fun, options, **given)

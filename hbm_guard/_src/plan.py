@@ -10,7 +10,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import numbers
+import re
 from typing import Any, Iterator, Mapping
+
+from hbm_guard._src import errors
+
+MAX_MICROBATCHES = 1 << 16
+_MAX_ARGNUM = 1 << 12
+_OPTION_NAME = re.compile(r"[a-z][a-z0-9_]{0,127}")
+_RUNG_NAME = re.compile(r"[\w.\-]{1,128}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +33,9 @@ class Plan:
   compute_dtype: str | None = None  # None: the model's own dtype
   offload_optimizer: bool = False
   rungs: tuple[str, ...] = ()  # the rungs applied, in order
+
+  def __post_init__(self):
+    _check_fields(self)
 
   def with_options(self, options: Mapping[str, Any]) -> "Plan":
     merged = dict(self.compiler_options)
@@ -71,13 +83,69 @@ class Plan:
     return d
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+  def from_dict(cls, d: Any) -> "Plan":
+    """A plan from its JSON form. Anything malformed is an InvalidPlanError, never applied:
+    an unknown key (a typo such as `microbatch`), a wrong type, a value out of range."""
+    if not isinstance(d, Mapping):
+      raise errors.InvalidPlanError(f"A plan is a JSON object, not {type(d).__name__}.")
     names = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: v for k, v in d.items() if k in names}
-    kw["donate_argnums"] = tuple(kw.get("donate_argnums", ()))
-    kw["compiler_options"] = tuple(sorted(dict(kw.get("compiler_options", {})).items()))
-    kw["rungs"] = tuple(kw.get("rungs", ()))
+    unknown = sorted(str(k)[:40] for k in d if k not in names)
+    if unknown:
+      raise errors.InvalidPlanError(
+          f"Unknown plan field(s) {unknown}; fields are {sorted(names)}.")
+    kw = dict(d)
+    for key in ("donate_argnums", "rungs"):
+      if key in kw:
+        kw[key] = _as_tuple(kw[key], key)
+    if "compiler_options" in kw:
+      options = kw["compiler_options"]
+      if not isinstance(options, Mapping):
+        raise errors.InvalidPlanError("Plan field 'compiler_options' must be an object.")
+      kw["compiler_options"] = tuple(sorted(options.items(), key=lambda kv: str(kv[0])))
     return cls(**kw)
+
+
+def _as_tuple(value: Any, key: str) -> tuple:
+  if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+    raise errors.InvalidPlanError(f"Plan field {key!r} must be a list, not {value!r:.60}.")
+  return tuple(value)
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_fields(plan: Plan) -> None:
+  """Types and ranges of every field: what a plan read from a file must satisfy."""
+  def bad(field, want):
+    value = getattr(plan, field)
+    raise errors.InvalidPlanError(f"Plan field {field!r} must be {want}, not {value!r:.80}.")
+
+  if not isinstance(plan.donate_argnums, tuple) or not all(
+      _is_int(i) and -_MAX_ARGNUM <= i < _MAX_ARGNUM for i in plan.donate_argnums):
+    bad("donate_argnums", "a tuple of argument positions")
+  if not isinstance(plan.compiler_options, tuple) or len(plan.compiler_options) > 64:
+    bad("compiler_options", "at most 64 (name, value) pairs")
+  for item in plan.compiler_options:
+    if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+        or not _OPTION_NAME.fullmatch(item[0])
+        or not isinstance(item[1], (bool, int, float, str))
+        or (isinstance(item[1], str) and len(item[1]) > 256)):
+      bad("compiler_options", "XLA option names with a bool, number or short string each")
+  for field in ("shard_state", "offload_optimizer"):
+    if not isinstance(getattr(plan, field), bool):
+      bad(field, "true or false")
+  if not _is_int(plan.microbatches) or not 1 <= plan.microbatches <= MAX_MICROBATCHES:
+    bad("microbatches", f"an int from 1 to {MAX_MICROBATCHES}")
+  if plan.remat_policy is not None and (
+      not isinstance(plan.remat_policy, str) or not _RUNG_NAME.fullmatch(plan.remat_policy)):
+    bad("remat_policy", "null or a name in jax.checkpoint_policies")
+  if plan.compute_dtype is not None and (
+      not isinstance(plan.compute_dtype, str) or not _RUNG_NAME.fullmatch(plan.compute_dtype)):
+    bad("compute_dtype", "null or a dtype name")
+  if not isinstance(plan.rungs, tuple) or len(plan.rungs) > 64 or not all(
+      isinstance(r, str) and _RUNG_NAME.fullmatch(r) for r in plan.rungs):
+    bad("rungs", "at most 64 rung names")
 
 
 @dataclasses.dataclass

@@ -4,7 +4,12 @@ An entry is keyed by everything that decides the answer: the step's program unde
 default plan, the input signature, where it must fit (target or device kind, capacity), the
 ladder and allowed class, and the jax/jaxlib/libtpu versions. It holds the plan that fit
 (or that nothing did) and the attempts that led there. Files are written atomically, so
-concurrent writers are safe; a damaged entry is a miss, never an error.
+concurrent writers are safe.
+
+Entries are untrusted (a cache may sit in a shared checkpoint directory): one is read only
+if it is a small regular file, its `parts` must hash to its key, and its plan must pass
+the guard's own checks (`GuardOptions.trusted`). Anything else is a miss, logged, never an
+error. "Nothing fits" is advice with an age, not a wall (`EXHAUSTED_MAX_AGE_S`).
 """
 
 from __future__ import annotations
@@ -14,10 +19,15 @@ import hashlib
 import importlib.metadata
 import json
 import os
-from typing import Any, Mapping
+import re
+import time
+from typing import Any, Callable, Mapping
+
+from absl import logging
 
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import report as report_lib
+from hbm_guard._src import untrusted
 
 ENV = "HBM_GUARD_PLAN_CACHE"
 _OFF = ("", "0", "off", "false", "no", "none")
@@ -53,9 +63,38 @@ def versions() -> dict[str, str | None]:
   return out
 
 
+# What decides a compile outside the program text, so it is in every key: a user who sets
+# an XLA flag because nothing fit gets a fresh climb, and a plan is never reused under
+# flags it was not checked with.
+ENV_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+JAX_CONFIG = ("jax_default_matmul_precision", "jax_compiler_enable_remat_pass",
+              "jax_optimization_level", "jax_memory_fitting_level",
+              "jax_disable_most_optimizations", "jax_use_shardy_partitioner",
+              "jax_enable_x64", "jax_remat3", "jax_numpy_dtype_promotion")
+
+
+def compile_environment() -> dict[str, Any]:
+  """The compiler flags in the environment and the jax config values that change
+  lowering or compiling (those this jax has), as JSON-ready values."""
+  import jax  # pylint: disable=g-import-not-at-top
+  config = {}
+  for name in JAX_CONFIG:
+    try:
+      value = getattr(jax.config, name)
+    except AttributeError:
+      continue
+    config[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+  return {"env": {name: os.environ.get(name) for name in ENV_FLAGS}, "jax_config": config}
+
+
 def digest(parts: Mapping[str, Any]) -> str:
   text = json.dumps(parts, sort_keys=True, default=repr)
   return hashlib.sha256(text.encode()).hexdigest()
+
+
+MAX_ENTRY_BYTES = 4 << 20  # attempts with their records; far more than any real entry
+EXHAUSTED_MAX_AGE_S = 7 * 24 * 3600.0  # "nothing fits" older than this is not believed
+_STATUSES = ("fits", "exhausted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +103,41 @@ class Entry:
   plan: plan_lib.Plan  # the plan that fit, or the last one tried
   attempts: tuple[dict[str, Any], ...] = ()  # as in the report
   parts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what the key covers
+  written_at: float | None = None  # seconds since the epoch
 
   def to_dict(self) -> dict[str, Any]:
     return {"schema": SCHEMA, "status": self.status, "plan": self.plan.to_dict(),
-            "attempts": list(self.attempts), "parts": dict(self.parts)}
+            "attempts": list(self.attempts), "parts": dict(self.parts),
+            "written_at": self.written_at if self.written_at is not None else time.time()}
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "Entry":
-    if d.get("schema") != SCHEMA or d.get("status") not in ("fits", "exhausted"):
+  def from_dict(cls, d: Any) -> "Entry":
+    """An entry from its JSON form; anything malformed is a ValueError."""
+    if not isinstance(d, Mapping) or d.get("schema") != SCHEMA:
       raise ValueError("not a plan cache entry")
+    if d.get("status") not in _STATUSES:
+      raise ValueError(f"unknown status {d.get('status')!r:.40}")
+    attempts, parts, written = d.get("attempts") or [], d.get("parts") or {}, d.get("written_at")
+    if not isinstance(attempts, list) or not all(isinstance(a, Mapping) for a in attempts):
+      raise ValueError("'attempts' is not a list of objects")
+    if not isinstance(parts, Mapping):
+      raise ValueError("'parts' is not an object")
+    if written is not None and (isinstance(written, bool)
+                                or not isinstance(written, (int, float))):
+      raise ValueError("'written_at' is not a time")
     return cls(status=d["status"], plan=plan_lib.Plan.from_dict(d["plan"]),
-               attempts=tuple(d.get("attempts") or ()), parts=dict(d.get("parts") or {}))
+               attempts=tuple(dict(a) for a in attempts), parts=dict(parts),
+               written_at=None if written is None else float(written))
+
+  def age_seconds(self, now: float | None = None) -> float | None:
+    if self.written_at is None:
+      return None
+    return (time.time() if now is None else now) - self.written_at
 
 
 class PlanCache:
-  """A directory of entries, one JSON file per key."""
+  """A directory of entries, one JSON file per key. Entries are untrusted: another job,
+  or another person, may have written any of them."""
 
   def __init__(self, directory: str):
     self.directory = os.path.abspath(directory)
@@ -86,18 +145,52 @@ class PlanCache:
   def path(self, key: str) -> str:
     return os.path.join(self.directory, key + ".json")
 
-  def get(self, key: str) -> Entry | None:
+  def read(self, key: str) -> Entry:
+    """The entry stored under `key`, as it claims to be; a ValueError saying why not."""
+    data = untrusted.read_json(self.path(key), max_bytes=MAX_ENTRY_BYTES)
     try:
-      with open(self.path(key), encoding="utf-8") as f:
-        return Entry.from_dict(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError):
+      entry = Entry.from_dict(data)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+      raise ValueError(f"not a valid entry: {e}") from None
+    if digest(entry.parts) != key:
+      raise ValueError("its 'parts' do not hash to the key it is stored under")
+    return entry
+
+  def get(self, key: str, check: Callable[[Entry], Entry] | None = None) -> Entry | None:
+    """The entry under `key`, passed through `check` (which raises ValueError to refuse
+    it); a missing, damaged or refused entry is a miss, logged with why. Never raises."""
+    if not os.path.lexists(self.path(key)):
+      return None
+    try:
+      entry = self.read(key)
+      return check(entry) if check is not None else entry
+    except Exception as e:  # pylint: disable=broad-except  (an entry must never break a job)
+      logging.warning("hbm_guard: ignoring the plan cache entry %s: %s", self.path(key),
+                      str(e)[:300])
       return None
 
   def put(self, key: str, entry: Entry) -> bool:
     try:
       report_lib.write_atomic(self.path(key), entry.to_dict())
     except (OSError, TypeError, ValueError) as e:
-      from absl import logging  # pylint: disable=g-import-not-at-top
       logging.warning("hbm_guard: could not write the plan cache %s: %s", self.path(key), e)
       return False
     return True
+
+  def keys(self) -> list[str]:
+    """The keys of the entries in the directory (file names; nothing is read)."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return sorted(n[:-5] for n in names if n.endswith(".json") and _KEY.fullmatch(n[:-5]))
+
+  def remove(self, key: str) -> bool:
+    try:
+      os.unlink(self.path(key))
+    except OSError:
+      return False
+    return True
+
+
+_KEY = re.compile(r"[0-9a-f]{64}")

@@ -54,8 +54,11 @@ class Planner:
 
   def __init__(self, probe: Callable[[plan_lib.Plan], int | None],
                flops: Callable[[plan_lib.Plan], float | None], capacity: int,
-               scale: float = 1.0):
+               scale: float = 1.0, *, exact: bool = False, headroom: float = HEADROOM):
     self._probe, self._flops, self._capacity = probe, flops, capacity
+    # exact: a probe is a full compile whose peak is the very figure held against the
+    # capacity (capacity= off a TPU target); the headroom is for estimates only.
+    self.exact, self.headroom = exact, headroom
     self.scale = scale  # real need / probe figure: the prior, then the largest measured
     self._ratios: list[float] = []
     self.probes: list[Probe] = []
@@ -103,7 +106,11 @@ class Planner:
     return cost
 
   def fits(self, need: int | None) -> bool:
-    return need is not None and need * self.scale <= HEADROOM * self._capacity
+    if need is None:
+      return False
+    if self.exact:
+      return need <= self._capacity
+    return need * self.scale <= self.headroom * self._capacity
 
   # -- the choice -----------------------------------------------------------------------
 
@@ -138,8 +145,10 @@ class Planner:
       if best is None or cost < best.cost:
         need = self.need(plan)
         best = Choice(plan, int(need * self.scale), cost,
-                      f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
-                      f"{HEADROOM} x {self._capacity}; cost {cost:.3g} flops")
+                      (f"cheapest that fits: compiled at {need} bytes <= {self._capacity}; "
+                       if self.exact else
+                       f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
+                       f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
 
 

@@ -11,6 +11,7 @@ integer bytes. What a message does not say is `None`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 from typing import Any, Mapping
@@ -28,6 +29,11 @@ KINDS = (COMPILE_HBM, COMPILE_HBM_EARLY, COMPILE_HBM_TC_SC, COMPILE_OTHER_MEMORY
          RUNTIME_HBM, RUNTIME_GPU, BUDGET)
 COMPILE_KINDS = frozenset({COMPILE_HBM, COMPILE_HBM_EARLY, COMPILE_HBM_TC_SC, BUDGET})
 
+MAX_BYTES = 1 << 80  # beyond any memory; a larger figure is a damaged field, dropped
+# Byte counts that are amounts (never negative). Breakdown rows may be ("Available after
+# request: -2.55G"), so they are not checked.
+_AMOUNTS = ("used_bytes", "capacity_bytes", "exceeded_bytes", "temp_bytes", "tensorcore_bytes",
+            "sparsecore_bytes", "requested_bytes", "free_bytes", "largest_free_bytes")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
           "P": 1 << 50, "E": 1 << 60}
 
@@ -41,9 +47,12 @@ def parse_size(text: str | None) -> int | None:
   if not text:
     return None
   m = _SIZE_RE.fullmatch(text.strip().replace(",", ""))
-  if not m:
+  if not m or len(m.group(1)) > 40:  # no real size has 40 digits: an absurd field
     return None
-  return int(round(float(m.group(1)) * _UNITS[m.group(2)]))
+  value = float(m.group(1)) * _UNITS[m.group(2)]
+  if not math.isfinite(value) or abs(value) > MAX_BYTES:
+    return None
+  return int(round(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,15 +196,22 @@ _LINE_PREFIX = re.compile(
     re.MULTILINE)
 
 
-# Logs are untrusted: runs of whitespace are where backtracking regexes go quadratic. Capping
-# horizontal runs and dropping blank lines (both linear) bounds every `\s*`/`\s+` below.
+# Logs are untrusted: runs of whitespace are where backtracking regexes go quadratic. Every
+# character `str.isspace()` accepts is first made a space or a newline (Python's `\s` matches
+# all of them: U+00A0, U+3000, U+2028, \x1f ...); then capping horizontal runs and dropping
+# blank lines (both linear) bounds every `\s*`/`\s+` below.
+UNICODE_WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003"
+                      "\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+_LINE_BREAKS = "\r\x1c\x1d\x1e\x85\u2028\u2029"
+_WHITESPACE = str.maketrans({c: ("\n" if c in _LINE_BREAKS else " ")
+                             for c in UNICODE_WHITESPACE if c not in "\n\t "})
 _HORIZONTAL_RUN = re.compile(r"[ \t\f\v]{9,}")
 _BLANK_LINES = re.compile(r"(?:\n[ \t\f\v]*)+\n")
 _MAX_LINE = 4096  # longer lines are cut for the block parser: no table row is that long
 
 
 def _clean(text: str) -> str:
-  text = text.replace("\r\n", "\n").replace("\r", "\n").replace("**", "")
+  text = text.replace("\r\n", "\n").translate(_WHITESPACE).replace("**", "")
   text = _HORIZONTAL_RUN.sub(" " * 8, text)
   text = _BLANK_LINES.sub("\n", text)
   return _LINE_PREFIX.sub("", text)
@@ -609,5 +625,8 @@ def _parse_text(original: str) -> E1000Record | None:
   else:
     end = block_end
   raw = text[start:end].strip("\n")
+  for key in _AMOUNTS:  # an absurd figure is dropped, not the record
+    if fields.get(key) is not None and fields[key] < 0:
+      fields[key] = None
   return E1000Record(breakdown=breakdown, allocations=tuple(allocations),
                      arguments_and_outputs=tuple(arguments), raw=raw, **fields)

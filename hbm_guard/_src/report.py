@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import tempfile
+import time
 from typing import Any
 
 from hbm_guard._src import diagnose as diagnose_lib
@@ -128,7 +130,9 @@ class Writer:
   there; a failed write is logged, never raised over the error the user needs to see.
   """
 
-  def __init__(self, directory: str | None, stem: str):
+  def __init__(self, directory: str | os.PathLike | None, stem: str):
+    # A step's name is not a path: "../x/step" stays inside the report directory.
+    stem = _UNSAFE.sub("_", stem).lstrip(".")[:200] or "step"
     self._target = os.path.abspath(os.path.join(directory or default_dir(), stem + ".json"))
     self.path: str | None = None
 
@@ -154,11 +158,41 @@ def write_atomic(path: str, data: dict[str, Any]) -> None:
   write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
+_UNSAFE = re.compile(r"[^\w.\-]")
+_TMP_PREFIX, _TMP_SUFFIX = ".hbm_guard-", ".tmp"
+_SWEPT: set[str] = set()
+STALE_TMP_SECONDS = 600.0  # a write takes milliseconds: older temporaries were killed writes
+
+
+def remove_stale_temporaries(directory: str, now: float | None = None) -> int:
+  """Removes temporaries that killed writers left in `directory`; how many."""
+  now = time.time() if now is None else now
+  removed = 0
+  try:
+    with os.scandir(directory) as it:
+      for e in it:
+        if not (e.name.startswith(_TMP_PREFIX) and e.name.endswith(_TMP_SUFFIX)):
+          continue
+        try:
+          if e.is_file(follow_symlinks=False) and now - e.stat(
+              follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+            os.unlink(e.path)
+            removed += 1
+        except OSError:
+          pass  # another process removed or replaced it
+  except OSError:
+    pass
+  return removed
+
+
 def write_text_atomic(path: str, text: str) -> None:
   """Write to a temporary file beside `path`, fsync, then rename over it."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".hbm_guard-", suffix=".tmp", dir=directory)
+  if directory not in _SWEPT:  # once per directory and process: a shared cache is large
+    _SWEPT.add(directory)
+    remove_stale_temporaries(directory)
+  fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=directory)
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)

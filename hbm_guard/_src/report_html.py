@@ -9,6 +9,7 @@ pin it.
 from __future__ import annotations
 
 import html
+import urllib.parse
 from typing import Any
 
 from hbm_guard._src import diagnose as diagnose_lib
@@ -64,8 +65,8 @@ def chart(data: dict[str, Any]) -> str:
   colors = dict(_PARTS)
   for i, a in enumerate(attempts):
     y = 20 + i * row_h
-    out.append(f'<text x="0" y="{y + 15}" font-size="12">#{a["number"]} '
-               f'{_e(a.get("described", "")[:48])}</text>')
+    out.append(f'<text x="0" y="{y + 15}" font-size="12">#{_e(a.get("number"))} '
+               f'{_e(str(a.get("described") or "")[:48])}</text>')
     x = label_w
     for name, v in _parts(a):
       w = bar_w * v / top
@@ -86,15 +87,26 @@ def chart(data: dict[str, Any]) -> str:
   return "\n".join(out) + f'<div class="legend">{legend}</div>'
 
 
+def _safe_href(url: Any) -> str | None:
+  """Only http(s) links: a report is a file anyone may have written."""
+  if isinstance(url, str) and urllib.parse.urlsplit(url.strip()).scheme in ("http", "https"):
+    return url.strip()
+  return None
+
+
 def _pin(data: dict[str, Any]) -> str:
-  plan = data.get("final_plan") or (data.get("attempts") or [{}])[-1].get("plan")
-  if not plan:
+  raw = data.get("final_plan") or (data.get("attempts") or [{}])[-1].get("plan")
+  if not raw:
     return ""
-  args = plan_code(plan)
+  try:  # the snippet is built from a validated Plan only, never from the file's keys
+    plan = plan_lib.Plan.from_dict(raw)
+  except (ValueError, TypeError):
+    return "<p class='muted'>the report's plan is malformed: no snippet to pin it</p>"
+  args = plan_code(plan.to_dict())
   code = (f"step = hbm_guard.guarded_jit(train_step, state_argnums=0, auto_fallback=False,\n"
           f"    plan=hbm_guard.Plan({args}))\n"
           f"# pinned: compiles once, and raises if it ever stops fitting")
-  return (f"<p>Plan: <b>{_e(plan_lib.Plan.from_dict(plan).describe())}</b></p>"
+  return (f"<p>Plan: <b>{_e(plan.describe())}</b></p>"
           f"<p>Pin it, so the next job compiles once:</p><pre>{_e(code)}</pre>"
           "<p class='muted'>or save the report's <code>final_plan</code> to a file and pass "
           "<code>plan='plan.json'</code>.</p>")
@@ -128,9 +140,9 @@ def render(data: dict[str, Any]) -> str:
     notes += [f"probe {p['plan']}: {_fmt(p['need_bytes'])}" for p in planning.get("probes", ())]
     if planning.get("why"):
       notes.append(f"next: {planning.get('chosen') or 'none'} ({planning['why']})")
-    rows.append(f"<tr><td>#{a['number']}</td><td>{_e(a.get('described'))}<div class='muted'>"
+    rows.append(f"<tr><td>#{_e(a.get('number'))}</td><td>{_e(a.get('described'))}<div class='muted'>"
                 f"{_e(a.get('signature'))}</div></td><td>{_e(a.get('outcome'))}</td>"
-                f"<td class='num'>{_e(_fmt(need))}</td><td class='num'>{a.get('seconds')} s</td>"
+                f"<td class='num'>{_e(_fmt(need))}</td><td class='num'>{_e(a.get('seconds'))} s</td>"
                 f"<td>{'<br>'.join(_e(n) for n in notes)}</td></tr>")
   allocs = []
   for al in data.get("largest_allocations") or []:
@@ -143,8 +155,11 @@ def render(data: dict[str, Any]) -> str:
   diag = ""
   if last:
     d = last["diagnosis"]
-    diag = (f"<p><b>{_e(d.get('scenario'))}</b> {_e(', '.join(d.get('sections') or ()))}: "
-            f"{_e(d.get('summary'))} <a href='{_e(d.get('docs'))}'>E1000</a></p>")
+    href = _safe_href(d.get("docs"))
+    link = f" <a href='{_e(href)}'>E1000</a>" if href else ""
+    diag = (f"<p><b>{_e(d.get('scenario'))}</b> "
+            f"{_e(', '.join(str(x) for x in d.get('sections') or ()))}: "
+            f"{_e(d.get('summary'))}{link}</p>")
   steps = "".join(f"<li>[{_e(s.get('section'))}] {_e(s.get('text'))}</li>"
                   for s in data.get("next_steps") or [])
   above = data.get("above_class")

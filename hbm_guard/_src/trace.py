@@ -27,13 +27,22 @@ def _leaf_key(x) -> Hashable:
     return ("unhashable", type(x).__name__, id(x))
 
 
+def _static_key(x) -> Hashable:
+  """A static argument by value, as jax.jit keys it (1 and 1.0 and True apart)."""
+  try:
+    hash(x)
+    return ("static", type(x).__module__, type(x).__qualname__, x)
+  except TypeError:
+    return ("unhashable", type(x).__name__, id(x))
+
+
 def signature(args: tuple, kwargs: dict, static_argnums: Iterable[int] = (),
               static_argnames: Iterable[str] = ()) -> Hashable:
   """The input signature: static arguments by value, the rest by abstract value."""
   static = set(static_argnums)
   names = set(static_argnames)
-  statics = tuple((i, _leaf_key(a)) for i, a in enumerate(args) if i in static)
-  static_kw = tuple(sorted((k, _leaf_key(v)) for k, v in kwargs.items() if k in names))
+  statics = tuple((i, _static_key(a)) for i, a in enumerate(args) if i in static)
+  static_kw = tuple(sorted((k, _static_key(v)) for k, v in kwargs.items() if k in names))
   dynamic = ([a for i, a in enumerate(args) if i not in static],
              {k: v for k, v in kwargs.items() if k not in names})
   leaves, treedef = jax.tree_util.tree_flatten(dynamic)

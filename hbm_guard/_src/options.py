@@ -1,0 +1,232 @@
+"""GuardOptions: everything `guarded_jit` is told, checked once, as one frozen value.
+
+As jax's `pjit` parses its arguments once into a frozen value, the guard's options are
+normalised and validated here, when the step is built, with a message naming the option
+and what it accepts. Flags and configs produce the same value (`hbm_guard.flags`);
+`dataclasses.replace` changes one and checks again. A `plan=` from a file or a report is
+data: it is parsed strictly and must stay within these options (`plan_trust`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+import os
+import types
+from typing import Any, Callable, Mapping
+
+from hbm_guard._src import argnums as argnums_lib
+from hbm_guard._src import errors
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import layout as layout_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import plan_trust
+from hbm_guard._src import report as report_lib
+from hbm_guard._src import targets as targets_lib
+from hbm_guard._src import untrusted
+
+PLAN_FILE_MAX_BYTES = 16 << 20  # a plan file, or a whole report holding one
+
+
+class RungClass(enum.StrEnum):
+  """How far a rung may change what the step computes (the ladder's `class`)."""
+  EXACT = "exact"  # the same math
+  NUMERICS = "numerics"  # the same math, other rounding (microbatching)
+  BEHAVIOUR = "behaviour"  # may change training (bf16)
+
+
+class Search(enum.StrEnum):
+  PROBES = "probes"  # price candidate plans by probes; compile the cheapest predicted to fit
+  LADDER = "ladder"  # the next rung, one compile each
+
+
+def _bad(option: str, accepts: str, value: Any) -> errors.InvalidOptionError:
+  return errors.InvalidOptionError(f"{option}={value!r:.100} is not accepted: {accepts}.")
+
+
+def _strict_bool(option: str, value: Any) -> bool:
+  if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+    return bool(value)
+  raise _bad(option, "True or False (strings such as 'False' are not booleans)", value)
+
+
+def _argnums(option: str, value: Any) -> tuple[int, ...]:
+  if value is None:
+    return ()
+  items = (value,) if isinstance(value, numbers.Integral) else value
+  if isinstance(items, (str, bytes, Mapping)) or not hasattr(items, "__iter__"):
+    raise _bad(option, "an int or a sequence of ints", value)
+  items = tuple(items)
+  if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
+    raise _bad(option, "an int or a sequence of ints", value)
+  return tuple(int(i) for i in items)
+
+
+def _argnames(option: str, value: Any) -> tuple[str, ...]:
+  items = argnums_lib.as_tuple(value, str)
+  if not all(isinstance(n, str) and n.isidentifier() for n in items):
+    raise _bad(option, "a name or a sequence of names", value)
+  return items
+
+
+def _capacity(value: Any) -> int | None:
+  if value is None:
+    return None
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    value = int(value)
+  try:
+    return targets_lib.parse_capacity(value)
+  except errors.UnknownTargetError as e:
+    raise _bad("capacity", "bytes (a positive int), a size such as '16GiB', or a device "
+               "name such as 'v5e'", value) from e
+
+
+def _target(value: Any) -> targets_lib.Target | None:
+  if value is None or isinstance(value, targets_lib.Target):
+    return value
+  if not isinstance(value, str):
+    raise _bad("target", "a TPU topology name such as 'v5e:2x2'", value)
+  return targets_lib.Target.parse(value)
+
+
+def _enum(option: str, kind: type[enum.StrEnum], value: Any) -> str:
+  try:
+    return kind(value).value
+  except ValueError:
+    raise _bad(option, "one of " + ", ".join(repr(m.value) for m in kind), value) from None
+
+
+def read_plan(value: Any) -> plan_lib.Plan | None:
+  """`plan=`: a Plan, its dict, a JSON file of one, or a report (its `final_plan`)."""
+  if value is None or isinstance(value, plan_lib.Plan):
+    return value
+  if isinstance(value, (str, os.PathLike)):
+    try:
+      value = untrusted.read_json(value, max_bytes=PLAN_FILE_MAX_BYTES)
+    except untrusted.UntrustedFileError as e:
+      raise errors.InvalidPlanError(f"plan={os.fspath(value)!r}: {e}.") from None
+  if report_lib.is_report(value):
+    if not value.get("final_plan"):
+      raise errors.InvalidPlanError(
+          "plan= got a report with no final_plan (its step did not fit): nothing to start from.")
+    value = value["final_plan"]
+  if not isinstance(value, Mapping):
+    raise _bad("plan", "a hbm_guard.Plan, its dict, a JSON file of one, or a report", value)
+  return plan_lib.Plan.from_dict(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardOptions:
+  """The options of one guarded step. See `guarded_jit` for what each does."""
+  capacity: int | str | None = None
+  target: targets_lib.Target | str | None = None
+  max_class: str = RungClass.EXACT.value
+  max_attempts: int = 8
+  ladder: Any = None  # a path, a list of rungs, or None for configs/ladder.json
+  state_argnums: Any = ()
+  report_dir: str | os.PathLike | None = None
+  auto_fallback: bool = True
+  offload_filter: Callable[[Any], bool] = layout_lib.default_offload_filter
+  plan_cache: str | os.PathLike | bool | None = None
+  plan: Any = None
+  search: str = Search.PROBES.value
+  headroom: float = ladder_lib.HEADROOM
+  plan_cache_retry_exhausted: bool = False
+  jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+    put("capacity", _capacity(self.capacity))
+    put("target", _target(self.target))
+    put("max_class", _enum("max_class", RungClass, self.max_class))
+    put("search", _enum("search", Search, self.search))
+    if (not isinstance(self.max_attempts, numbers.Integral) or isinstance(self.max_attempts, bool)
+        or self.max_attempts < 1):
+      raise _bad("max_attempts", "a positive int", self.max_attempts)
+    put("max_attempts", int(self.max_attempts))
+    put("ladder", ladder_lib.load_ladder(self.ladder))
+    put("state_argnums", _argnums("state_argnums", self.state_argnums))
+    put("auto_fallback", _strict_bool("auto_fallback", self.auto_fallback))
+    put("plan_cache_retry_exhausted",
+        _strict_bool("plan_cache_retry_exhausted", self.plan_cache_retry_exhausted))
+    if not callable(self.offload_filter):
+      raise _bad("offload_filter", "a function of a key path returning a bool",
+                 self.offload_filter)
+    if self.report_dir is not None and not isinstance(self.report_dir, (str, os.PathLike)):
+      raise _bad("report_dir", "a directory path", self.report_dir)
+    if not (self.plan_cache is None or isinstance(self.plan_cache, (bool, str, os.PathLike))):
+      raise _bad("plan_cache", "a directory, True, False or 'off'", self.plan_cache)
+    if (not isinstance(self.headroom, numbers.Real) or isinstance(self.headroom, bool)
+        or not 0.5 <= float(self.headroom) <= 1.0):
+      raise _bad("headroom", "a fraction of the capacity from 0.5 to 1.0", self.headroom)
+    put("headroom", float(self.headroom))
+    put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))
+    plan = read_plan(self.plan)
+    if plan is not None:
+      plan = plan_trust.check(plan, rungs=self.ladder, max_class=self.max_class,
+                              donatable=plan_trust.donatable(self.state_argnums,
+                                                             self.user_donate, None))
+    put("plan", plan)
+
+  def _normalised_jit_kwargs(self) -> dict[str, Any]:
+    if not isinstance(self.jit_kwargs, Mapping):
+      raise _bad("jit_kwargs", "keyword arguments of jax.jit", self.jit_kwargs)
+    kw = dict(self.jit_kwargs)
+    for key in ("static_argnums", "donate_argnums"):
+      if kw.get(key) is not None:
+        kw[key] = _argnums(key, kw[key])
+    for key in ("static_argnames", "donate_argnames"):
+      if kw.get(key) is not None:
+        kw[key] = _argnames(key, kw[key])
+    options = kw.get("compiler_options")
+    if options is not None and not (isinstance(options, Mapping)
+                                    and all(isinstance(k, str) for k in options)):
+      raise _bad("compiler_options", "a dict of XLA option names to values", options)
+    return kw
+
+  # -- derived --------------------------------------------------------------------------
+
+  @property
+  def budget(self) -> int | None:
+    """The bytes a device has for the step: capacity=, else the target's HBM."""
+    if self.capacity is not None:
+      return self.capacity
+    return self.target.hbm_bytes if self.target is not None else None
+
+  @property
+  def user_donate(self) -> tuple[int, ...]:
+    return tuple(self.jit_kwargs.get("donate_argnums") or ())
+
+  @property
+  def static_argnums(self) -> tuple[int, ...]:
+    return tuple(self.jit_kwargs.get("static_argnums") or ())
+
+  @property
+  def static_argnames(self) -> tuple[str, ...]:
+    return tuple(self.jit_kwargs.get("static_argnames") or ())
+
+  def jax_jit_kwargs(self) -> dict[str, Any]:
+    """What goes to `jax.jit` whatever the plan (donation is merged per plan)."""
+    return {k: v for k, v in self.jit_kwargs.items() if k != "donate_argnums"}
+
+  def trusted(self, plan: plan_lib.Plan, *, nargs: int | None, source: str) -> plan_lib.Plan:
+    """`plan` if these options allow all of it, else an UntrustedPlanError."""
+    return plan_trust.check(plan, rungs=self.ladder, max_class=self.max_class,
+                            donatable=plan_trust.donatable(self.state_argnums,
+                                                           self.user_donate, nargs),
+                            source=source)
+
+  def as_kwargs(self) -> dict[str, Any]:
+    """guarded_jit keyword arguments that rebuild these options."""
+    kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+          if f.name != "jit_kwargs"}
+    kw.update(self.jit_kwargs)
+    return kw
+
+
+def make(**kwargs) -> GuardOptions:
+  """GuardOptions from guarded_jit's keyword arguments (jax.jit's go to `jit_kwargs`)."""
+  names = {f.name for f in dataclasses.fields(GuardOptions)} - {"jit_kwargs"}
+  own = {k: v for k, v in kwargs.items() if k in names}
+  return GuardOptions(**own, jit_kwargs={k: v for k, v in kwargs.items() if k not in names})
