@@ -146,7 +146,7 @@ class Runner:
       g = self.guard()
       flat = dataclasses.replace(plan, microbatches=1, offload_optimizer=False,
                                  shard_state=False, donate_argnums=())
-      self._flops[key] = g._flops(flat, self.args(b), {}) or math.nan  # pylint: disable=protected-access
+      self._flops[key] = g._step.flops(flat, self.args(b), {}) or math.nan  # pylint: disable=protected-access
     state = self.args(b)[0]
     opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
     cost = self._flops[key] * (1 + planner_lib.MICROBATCH_OVERHEAD * (plan.microbatches - 1))
@@ -174,7 +174,7 @@ def run_guard(case, r: Runner, search: str):
   r.seconds = time.perf_counter() - t0  # probes included
   r.compiles = len(g.attempts)
   r.failed = sum(a.outcome != "fits" for a in g.attempts)
-  probes = sum(len((a.planning or {}).get("probes", ())) for a in g.attempts)
+  probes = sum(len(a.planning.probes) for a in g.attempts if a.planning is not None)
   return plan, case.batch, mem, {"probes": probes}
 
 

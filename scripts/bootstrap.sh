@@ -13,10 +13,11 @@ pick_python() {
   done
   echo "hbm_guard needs Python >= 3.11" >&2; return 1
 }
-if [ ! -x .venv/bin/python ]; then
+venv=${HBM_GUARD_VENV:-.venv}  # CI also builds a 3.11 one beside it (.ci/run)
+if [ ! -x "$venv/bin/python" ]; then
   py=$(pick_python)
-  echo "bootstrap: creating .venv with $("$py" --version)" >&2
-  "$py" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
+  echo "bootstrap: creating $venv with $("$py" --version)" >&2
+  "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
 fi
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[tpu,flax,orbax,dev]'
+"$venv/bin/python" -m pip install -q -c constraints.txt -e '.[tpu,flax,orbax,dev]'

@@ -22,9 +22,10 @@ def test_capacity_from_stats_leaves_out_other_live_arrays_not_the_steps_own():
 
 def test_no_device_capacity_on_the_cpu():
   assert jax.local_devices()[0].memory_stats() is None or jax.default_backend() != "gpu"
-  step = hbm_guard.guarded_jit(lambda x: x * 2)
-  step(jnp.ones(4))
-  assert step._auto_capacity is None  # pylint: disable=protected-access
+  from hbm_guard._src import backend, options, steps
+  opts = options.GuardOptions()
+  local = backend.make(steps.StepBuilder(lambda x: x * 2, opts), opts)
+  assert isinstance(local, backend.LocalBackend) and local.capacity((jnp.ones(4),)) is None
 
 
 def test_a_retry_needs_every_donated_argument_alive():

@@ -28,9 +28,9 @@ def test_flax_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_d
   # The planner priced plans by libtpu's early figure (probes, seconds each) and compiled
   # only the one it chose (issue #8: at most 3 compiles; 2 measured on libtpu 0.0.50).
   assert len(step.attempts) <= 3
-  probes = first.planning["probes"]
-  assert probes and min(p["need_bytes"] for p in probes) < first.record.required_bytes / 2
-  assert first.planning["chosen"] == step.plan.describe()
+  probes = first.planning.probes
+  assert probes and min(p.need_bytes for p in probes) < first.record.required_bytes / 2
+  assert first.planning.chosen == step.plan.describe()
   assert (step.plan.remat_policy or step.plan.microbatches > 1) and 0 in step.plan.donate_argnums
   assert len(losses) == 2 and all(np.isfinite(losses))
 
@@ -66,7 +66,7 @@ def test_exhausted_on_the_real_compiler_chains_its_error(tmp_path, v5e_devices):
   attempts = info.value.attempts
   assert attempts and all(a.outcome == "oom" for a in attempts)
   # Exhaustion without compiling what probes ruled out: the flag plans were probed.
-  probed = [p["plan"] for a in attempts for p in (a.planning or {}).get("probes", ())]
+  probed = [p.plan.describe() for a in attempts if a.planning for p in a.planning.probes]
   assert any("xla_" in p for p in probed), probed
   # Newer libtpu prefixes "E1000: CompileTimeHbmOom:"; older releases omit the code.
   assert all(a.record.error_code == ("E1000" if "E1000:" in a.record.raw else None)

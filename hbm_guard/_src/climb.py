@@ -22,7 +22,7 @@ from hbm_guard._src import record as record_lib
 _MAX_REFITS = 4  # microbatch counts re-chosen for an uneven batch before giving up
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
   FITS = "fits"
   EXHAUSTED = "exhausted"  # no allowed plan fits
   DIAGNOSED = "diagnosed"  # does not fit; auto fallback off, so nothing was changed
@@ -33,7 +33,7 @@ class Attempt:
   """One compile of the step under one plan, and what the compiler said."""
   number: int
   plan: plan_lib.Plan
-  outcome: str  # "fits" | "oom"
+  outcome: compile_lib.Outcome  # FITS or OOM
   seconds: float
   record: record_lib.E1000Record | None = None
   diagnosis: diagnose_lib.Diagnosis | None = None
@@ -41,20 +41,20 @@ class Attempt:
   skipped: tuple[ladder_lib.Skip, ...] = ()  # rungs passed over to choose the next plan
   signature: str = ""  # the input shapes this attempt was for
   loss_form: str | None = None  # how the step's value_and_grad reduced its loss
-  planning: dict[str, Any] | None = None  # the probes that chose the next plan, and why
+  planning: Any = None  # planner.Planning: the probes that chose the next plan, and why
   optimizer_streaming: str | None = None  # offloaded state: per parameter, or whole
 
   def to_dict(self) -> dict[str, Any]:
     return {
         "number": self.number, "plan": self.plan.to_dict(), "described": self.plan.describe(),
-        "outcome": self.outcome, "seconds": round(self.seconds, 3),
+        "outcome": compile_lib.Outcome(self.outcome).value, "seconds": round(self.seconds, 3),
         "signature": self.signature, "loss_form": self.loss_form,
         "optimizer_streaming": self.optimizer_streaming,
         "record": self.record.to_dict() if self.record else None,
         "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
         "memory": self.memory,
         "skipped": [s.to_dict() for s in self.skipped],
-        "planning": self.planning,
+        "planning": self.planning.to_dict() if self.planning is not None else None,
     }
 
 
@@ -76,7 +76,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
           auto_fallback: bool, step_facts: Callable[[compile_lib.Trial], ladder_lib.StepFacts],
           first_number: int = 1, signature: str = "",
           on_attempt: Callable[[Attempt], None] = lambda a: None,
-          plan_next: Callable[..., tuple[plan_lib.Plan | None, list, dict]] | None = None
+          plan_next: Callable[..., tuple[plan_lib.Plan | None, list, Any]] | None = None
           ) -> Result:
   """Compiles from `start` until a plan fits, nothing allowed can, or `max_attempts`
   compiles were spent. With `auto_fallback` off, stops after the first. `plan_next(plan,
@@ -97,7 +97,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     loss_form = trial.facts.loss_form if trial.facts else None
     streaming = trial.facts.optimizer_streaming if trial.facts else None
     if trial.outcome is compile_lib.Outcome.FITS:
-      attempt = Attempt(number, plan, "fits", trial.seconds, memory=trial.memory,
+      attempt = Attempt(number, plan, compile_lib.Outcome.FITS, trial.seconds, memory=trial.memory,
                         signature=signature, loss_form=loss_form,
                         optimizer_streaming=streaming)
       attempts.append(attempt)
@@ -117,7 +117,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
       nxt = None  # never compile a plan twice
     if auto_fallback:
       nxt = hosts_lib.agree_plan(nxt)  # process 0 decides, for every process
-    attempt = Attempt(number, plan, "oom", trial.seconds, rec, diag, trial.memory,
+    attempt = Attempt(number, plan, compile_lib.Outcome.OOM, trial.seconds, rec, diag, trial.memory,
                       tuple(skips), signature, loss_form, planning, streaming)
     attempts.append(attempt)
     on_attempt(attempt)

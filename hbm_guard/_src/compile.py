@@ -24,7 +24,7 @@ from hbm_guard._src import record as record_lib
 HEARTBEAT_SECONDS = 15.0
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
   FITS = "fits"
   OOM = "oom"
   UNEVEN = "uneven"  # the plan's microbatch count does not divide this batch: not compiled

@@ -39,6 +39,15 @@ def _rebuild(cls, message, report_path, attempts):
   return cls(message, report_path=report_path, attempts=attempts)
 
 
+def _fmt(n: int | None) -> str:
+  from hbm_guard._src import diagnose  # pylint: disable=g-import-not-at-top
+  return diagnose.format_bytes(n)
+
+
+def _where(report_path: str | None) -> str:
+  return f"Report: {report_path}" if report_path else "The report could not be written."
+
+
 class LadderExhaustedError(_OutOfMemory):
   """No plan on the fallback ladder fits the step in memory.
 
@@ -46,6 +55,31 @@ class LadderExhaustedError(_OutOfMemory):
   names the post-mortem JSON (None if it could not be written), `attempts` holds every
   attempt.
   """
+
+  @classmethod
+  def nothing_fits(cls, *, name: str, capacity: int | None, attempts: Sequence[Any],
+                   need: int | None, scenario: str | None, summary: str,
+                   above: Any = None, report_path: str | None) -> "LadderExhaustedError":
+    tried = "; ".join(a.plan.describe() for a in attempts)
+    hint = (f"Allowing max_class='{above.klass}' would fit: {above.plan} (predicted "
+            f"{_fmt(above.predicted_bytes)}). " if above is not None else "")
+    return cls(f"hbm_guard: no plan fits {name} in {_fmt(capacity)} after {len(attempts)} "
+               f"compile(s) (tried: {tried}); the last needed {_fmt(need)} ({scenario}: "
+               f"{summary}) {hint}{_where(report_path)}", report_path=report_path,
+               attempts=attempts)
+
+  @classmethod
+  def remembered(cls, *, name: str, age_seconds: float, compiles: int, where: str,
+                 last: str, cache_dir: str, report_path: str | None
+                 ) -> "LadderExhaustedError":
+    return cls(
+        f"hbm_guard: no plan fits {name}: the plan cache remembers, from "
+        f"{age_seconds / 3600:.1f} h ago, {compiles} compile(s) of this program for {where} "
+        f"that all failed (last: {last}), under the same capacity, ladder, max_class, "
+        "compiler flags (XLA_FLAGS, LIBTPU_INIT_ARGS, jax config) and versions; nothing was "
+        "compiled. To climb again: plan_cache_retry_exhausted=True "
+        f"(--hbm_guard_plan_cache_retry_exhausted), or `hbm-guard cache clear {cache_dir}`. "
+        + _where(report_path), report_path=report_path)
 
 
 class CapacityExceededError(_OutOfMemory):
@@ -55,6 +89,14 @@ class CapacityExceededError(_OutOfMemory):
   `auto_fallback=True` (or `--hbm_guard_auto_fallback`) to let it climb the ladder.
   """
 
+  @classmethod
+  def over(cls, *, name: str, need: int | None, capacity: int | None, scenario: str | None,
+           summary: str, report_path: str | None, attempts: Sequence[Any]
+           ) -> "CapacityExceededError":
+    return cls(f"hbm_guard: {name} needs {_fmt(need)} of {_fmt(capacity)} ({scenario}: "
+               f"{summary}); auto fallback is off, so nothing was changed. "
+               f"{_where(report_path)}", report_path=report_path, attempts=attempts)
+
 
 class StateConsumedError(_OutOfMemory):
   """The step ran out of memory at run time after its donated arguments were consumed.
@@ -62,6 +104,13 @@ class StateConsumedError(_OutOfMemory):
   The guard never retries with arguments that are gone. Restore the state (from a
   checkpoint) and call again; the next fit starts from the plan that failed.
   """
+
+  @classmethod
+  def at_first_call(cls, *, name: str, plan: str) -> "StateConsumedError":
+    return cls(f"hbm_guard: {name} ran out of memory at its first call under {plan}, after "
+               "donated arguments were consumed: the guard cannot retry without them. "
+               "Restore the state (e.g. from a checkpoint) and call again; the guard will "
+               "refit from this plan.")
 
 
 class UnevenMicrobatchError(HbmGuardError, ValueError):

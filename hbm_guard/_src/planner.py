@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 
@@ -39,6 +39,23 @@ class Probe:
   def to_dict(self):
     return {"plan": self.plan.describe(), "rungs": list(with_rungs(self.plan, self.plan).rungs),
             "need_bytes": self.need_bytes, "seconds": round(self.seconds, 3)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Planning:
+  """Why the planner chose the next plan: the probes it made for it, at what scale."""
+  chosen: str | None  # the next plan, described; None: nothing left to try
+  why: str
+  probes: tuple[Probe, ...] = ()
+  scale: float = 1.0
+  predicted_bytes: int | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {"chosen": self.chosen, "why": self.why, "probes": [p.to_dict() for p in self.probes],
+         "scale": round(self.scale, 3)}
+    if self.predicted_bytes is not None:
+      d["predicted_bytes"] = self.predicted_bytes
+    return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +233,7 @@ def _probe_may_fit(planner: Planner, plan: plan_lib.Plan) -> bool:
 
 def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
               facts: ladder_lib.StepFacts, rec, max_class: str
-              ) -> tuple[plan_lib.Plan | None, list[ladder_lib.Skip], dict]:
+              ) -> tuple[plan_lib.Plan | None, list[ladder_lib.Skip], Planning]:
   """The planner's choice after `plan` failed; the ladder's remaining rungs (XLA flags,
   dtype) from the plan that came closest when no planned plan is predicted to fit."""
   n_probes = len(planner.probes)
@@ -234,11 +251,9 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
     if choice is not None:
       choice = dataclasses.replace(choice, why="fits by the probe's own figure (unscaled); "
                                    + choice.why)
-  info = {}
   if choice is not None and _key(choice.plan) != _key(plan):
-    info = {"chosen": choice.plan.describe(), "why": choice.why,
-            "predicted_bytes": choice.predicted_bytes}
     nxt = with_rungs(choice.plan, plan)
+    chosen, why, predicted = choice.plan.describe(), choice.why, choice.predicted_bytes
   else:
     measured = [(p, n) for p, n in planner._need.items() if n is not None]  # pylint: disable=protected-access
     closest = min(measured, key=lambda pn: pn[1])[0] if measured else plan
@@ -254,9 +269,8 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
                                    ladder_lib.SkipKind.CANNOT_CLOSE_GAP))
       nxt, more = ladder_lib.next_plan(rest, nxt, facts, rec, max_class)
       skips += more
-    info = {"chosen": nxt.describe() if nxt else None,
-            "why": ("no planned plan is predicted to fit; the ladder's remaining rungs "
-                    f"from the closest plan ({closest.describe()})")}
-  info["probes"] = [p.to_dict() for p in planner.probes[n_probes:]]
-  info["scale"] = round(planner.scale, 3)
-  return nxt, skips, info
+    chosen, predicted = (nxt.describe() if nxt else None), None
+    why = ("no planned plan is predicted to fit; the ladder's remaining rungs from the "
+           f"closest plan ({closest.describe()})")
+  return nxt, skips, Planning(chosen, why, tuple(planner.probes[n_probes:]), planner.scale,
+                              predicted)

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
 from hbm_guard._src import guard as guard_lib
 from hbm_guard._src import report as report_lib
@@ -53,10 +54,11 @@ def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
   last = attempts[-1] if attempts else None
   row["plan"] = guarded.plan.describe() if row["fits"] else None
   row["compiles"] = len(attempts)
-  row["failed_compiles"] = sum(a.outcome != "fits" for a in attempts)
-  row["probes"] = sum(len((a.planning or {}).get("probes", ())) for a in attempts)
-  row["capacity_bytes"] = guarded._capacity  # pylint: disable=protected-access
-  row["peak_bytes"] = ((last.memory or {}).get("peak") if last and last.outcome == "fits"
+  row["failed_compiles"] = sum(a.outcome is not compile_lib.Outcome.FITS for a in attempts)
+  row["probes"] = sum(len(a.planning.probes) for a in attempts if a.planning is not None)
+  row["capacity_bytes"] = guarded.options.budget
+  row["peak_bytes"] = ((last.memory or {}).get("peak")
+                       if last and last.outcome is compile_lib.Outcome.FITS
                        else (last.record.required_bytes if last and last.record else None))
   failed = next((a for a in reversed(attempts) if a.record is not None), None)
   row["largest_allocations"] = (report_lib.largest_allocations(failed.record.to_dict(), 3)

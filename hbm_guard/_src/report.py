@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import enum
 import json
 import os
 import re
@@ -16,7 +17,16 @@ from hbm_guard._src import record as record_lib
 SCHEMA = "hbm_guard.report/1"
 
 
-def build(*, function: str, status: str, attempts: list[dict[str, Any]],
+class Status(enum.StrEnum):
+  """Where a guarded step stands, as its report says."""
+  CLIMBING = "climbing"  # an attempt failed; the next is being chosen or compiled
+  FITS = "fits"
+  EXHAUSTED = "exhausted"  # no allowed plan fits
+  DIAGNOSED = "diagnosed"  # does not fit; auto fallback off, nothing changed
+  FAILED = "failed"
+
+
+def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]],
           final_plan: dict[str, Any] | None, target: str | None, capacity_bytes: int | None,
           max_class: str, ladder: list[dict[str, Any]], note: str | None = None,
           above_class: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -28,14 +38,14 @@ def build(*, function: str, status: str, attempts: list[dict[str, Any]],
       "schema": SCHEMA,
       "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "function": function,
-      "status": status,
+      "status": Status(status).value,
       "target": target,
       "capacity_bytes": capacity_bytes,
       "max_class": max_class,
       "compiles": len(attempts),
       "final_plan": final_plan,
       "withheld_rungs": withheld,
-      "next_steps": next_steps(attempts) if status != "fits" else [],
+      "next_steps": next_steps(attempts) if status != Status.FITS else [],
       "largest_allocations": largest_allocations(last["record"]) if last else [],
       "above_class": above_class,
       "attempts": attempts,

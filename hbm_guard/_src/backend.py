@@ -1,0 +1,180 @@
+"""Where a plan is compiled: here (`LocalBackend`) or for a TPU topology (`TargetBackend`).
+
+The one place where the two differ. Chosen once per guarded step (as chex chooses a
+variant): the devices a plan is laid out over, what a device holds, how one compile (or a
+cheap probe) runs and what its figure means, and what names the place in the cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import layout as layout_lib
+from hbm_guard._src import options as options_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import steps as steps_lib
+from hbm_guard._src import targets as targets_lib
+
+MiB = 1 << 20
+PROBE_LIMIT_MIB = 1  # libtpu's early check fails a compile given this limit in seconds
+
+
+class Backend(Protocol):
+  platform: str
+  probe_scale: float  # real need / probe figure, before any real compile measured it
+  exact_probes: bool  # a probe's figure is the very figure held against the capacity
+
+  def devices(self) -> list[Any]: ...
+
+  def capacity(self, args) -> int | None: ...
+
+  def where(self) -> str: ...
+
+  def compile(self, plan: plan_lib.Plan, key, args, kwargs, *, probe: bool = False
+              ) -> compile_lib.Trial: ...
+
+  def step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts: ...
+
+
+class _Base:
+  """What both backends share: the step, the options, and the facts a trial gives."""
+  platform = ""
+  probe_scale = 1.0
+  exact_probes = True
+
+  def __init__(self, step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
+    self.step, self.options = step, options
+
+  def devices(self) -> list[Any]:
+    raise NotImplementedError
+
+  def step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
+    devices = self.devices()
+    tf = trial.facts or compile_lib.TraceFacts()
+    replaced = tuple(i for i, _ in tf.replaced)
+    try:
+      has_host = any(getattr(m, "kind", "") == "pinned_host"
+                     for m in devices[0].addressable_memories())
+    except Exception:  # pylint: disable=broad-except
+      has_host = False
+    return ladder_lib.StepFacts(
+        platform=self.platform, num_devices=len(devices), plan_reads=tf.reads,
+        state_argnums=replaced, state_bytes=sum(layout_lib.nbytes(args[i]) for i in replaced),
+        batch_size=tf.batch_size, has_host_memory=has_host,
+        can_reshard="in_shardings" not in self.options.jit_kwargs,
+        offload_bytes=sum(layout_lib.offload_bytes(args[i], self.options.offload_filter)
+                          for i in replaced))
+
+  def _trial(self, plan, compile_fn, facts_fn, capacity) -> compile_lib.Trial:
+    trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,
+                                    name=self.step.name)
+    self.step.learn(trial.facts)
+    return trial
+
+
+class LocalBackend(_Base):
+  """Compiles with this process's backend: the executable a fit compiles is the one the
+  next call runs. A probe is a full compile (cheap off a TPU), so its figure is exact."""
+
+  def __init__(self, step, options):
+    super().__init__(step, options)
+    self.platform = jax.default_backend()
+
+  def devices(self) -> list[Any]:
+    return jax.devices()
+
+  def where(self) -> str:
+    return f"{self.platform}:{jax.devices()[0].device_kind}x{jax.device_count()}"
+
+  def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """The plan as this backend can run it (TPU flags only on a TPU)."""
+    if self.platform != "tpu" and plan.compiler_options:
+      plan = dataclasses.replace(plan, compiler_options=())
+    return plan
+
+  def capacity(self, args) -> int | None:
+    """capacity=, else on a GPU the allocator's limit less what other live arrays hold."""
+    if self.options.budget is not None or self.platform != "gpu":
+      return self.options.budget
+    try:
+      stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # pylint: disable=broad-except
+      return None
+    return targets_lib.capacity_from_stats(stats, layout_lib.nbytes(
+        [x for x in jax.tree_util.tree_leaves(args) if isinstance(x, jax.Array)]))
+
+  def compile(self, plan, key, args, kwargs, *, probe=False) -> compile_lib.Trial:
+    entry = self.step.plan_jit(self.runnable(plan), args)
+    entry.allowed.add(key)
+    largs, lkw = self.step.abstract(args, kwargs, entry.layout) if entry.layout else (args, kwargs)
+    try:
+      return self._trial(plan, lambda: entry.jitted.lower(*largs, **lkw).compile(),
+                         lambda: entry.facts.get(key), self.capacity(args))
+    finally:
+      entry.allowed.discard(key)  # admitted again by the guard if this plan is chosen
+
+
+class TargetBackend(_Base):
+  """Compiles ahead of time for a TPU topology with libtpu on this host. A probe gets a
+  1 MiB limit: libtpu's early check then fails it in seconds with what the plan needs,
+  an estimate that runs low until a real compile measures by how much."""
+  platform = "tpu"
+  probe_scale = planner_lib.PROBE_SCALE
+  exact_probes = False
+
+  def __init__(self, step, options):
+    super().__init__(step, options)
+    self.target = options.target
+
+  def devices(self) -> list[Any]:
+    return self.target.devices()
+
+  def where(self) -> str:
+    return f"target:{self.target.name}"
+
+  def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """The target's plan as this host runs it after the fit."""
+    if jax.default_backend() != "tpu" and plan.compiler_options:
+      plan = dataclasses.replace(plan, compiler_options=())
+    return plan
+
+  def capacity(self, args) -> int | None:
+    return self.options.budget
+
+  def compile(self, plan, key, args, kwargs, *, probe=False) -> compile_lib.Trial:
+    devices = self.devices()
+    layout = self.step.layout(plan, args, devices)
+    facts: dict = {}
+    jitted = self.step.jit(plan, layout, len(args), None, facts)
+    targs, tkw = self.step.abstract(args, kwargs, layout, devices)
+    options = dict(plan.compiler_options)
+    capacity = self.options.budget
+    if probe:
+      options["xla_tpu_max_hbm_size_mib"] = PROBE_LIMIT_MIB
+    elif capacity is not None:
+      options["xla_tpu_max_hbm_size_mib"] = max(1, capacity // MiB)
+    if probe or targets_lib.compiler_counts_arguments(self.target):
+      capacity = None  # libtpu's own verdict at that limit counts arguments too
+    return self._trial(plan, lambda: jitted.lower(*targs, **tkw).compile(options),
+                       lambda: facts.get(key), capacity)
+
+
+def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
+  """The backend a guarded step compiles with, chosen once."""
+  if options.target is not None:
+    return TargetBackend(step, options)
+  return LocalBackend(step, options)
+
+
+def probe(backend: Backend, plan: plan_lib.Plan, key, args, kwargs) -> int | None:
+  """What `plan` needs, cheaply: libtpu's early figure, or a full compile's peak."""
+  trial = backend.compile(plan, key, args, kwargs, probe=True)
+  if trial.record is not None:
+    return trial.record.required_bytes
+  return (trial.memory or {}).get("peak")

@@ -1,0 +1,246 @@
+"""One fit of one input signature: cache lookup, climb, cache write, report, typed errors.
+
+A `Fit` owns its planner for its whole life (so "would a higher class fit?" asks the
+planner that priced this climb), compiles through a `Backend`, and returns the climb's
+result, or raises the error a person can act on. Nothing here calls back into the guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from hbm_guard._src import backend as backend_lib
+from hbm_guard._src import climb as climb_lib
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import diagnose as diagnose_lib
+from hbm_guard._src import errors
+from hbm_guard._src import hosts as hosts_lib
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import options as options_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import plan_cache as plan_cache_lib
+from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import report as report_lib
+from hbm_guard._src import steps as steps_lib
+from hbm_guard._src import trace as trace_lib
+
+Status = report_lib.Status
+
+
+@dataclasses.dataclass(frozen=True)
+class AboveClass:
+  """A plan of a class above `max_class` that the probes predict would fit."""
+  klass: str
+  plan: str
+  predicted_bytes: int
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"class": self.klass, "plan": self.plan, "predicted_bytes": self.predicted_bytes}
+
+
+class Ledger:
+  """Every attempt of a guarded step, and its report, written after each attempt."""
+
+  def __init__(self, name: str, options: options_lib.GuardOptions, stem: str):
+    self.name, self.options = name, options
+    self.attempts: list[climb_lib.Attempt] = []
+    self._writer = report_lib.Writer(options.report_dir, stem)
+
+  @property
+  def path(self) -> str | None:
+    return self._writer.path
+
+  def record(self, attempt: climb_lib.Attempt) -> None:
+    """Every attempt is in the report before it is in the log: a kill loses neither."""
+    self.attempts.append(attempt)
+    if attempt.outcome is not compile_lib.Outcome.FITS:
+      self.write(Status.CLIMBING)
+    need = attempt.record.required_bytes if attempt.record else (attempt.memory or {}).get("peak")
+    logging.info("hbm_guard: %s attempt #%d [%s] %s: %s%s in %.1f s", self.name,
+                 attempt.number, attempt.signature, attempt.plan.describe(), attempt.outcome,
+                 f", needs {diagnose_lib.format_bytes(need)}" if need else "",
+                 attempt.seconds)
+
+  def write(self, status: Status, *, final_plan: plan_lib.Plan | None = None,
+            above: AboveClass | None = None, attempts: list[dict] | None = None,
+            note: str | None = None) -> bool:
+    o = self.options
+    data = report_lib.build(
+        function=self.name, status=status,
+        attempts=attempts if attempts is not None else [a.to_dict() for a in self.attempts],
+        final_plan=final_plan.to_dict() if final_plan is not None else None,
+        target=o.target.name if o.target else None, capacity_bytes=o.budget,
+        max_class=o.max_class, ladder=[r.to_dict() for r in o.ladder],
+        above_class=above.to_dict() if above else None, note=note)
+    return self._writer.write(data)
+
+
+def cache_parts(step: steps_lib.StepBuilder, backend, options: options_lib.GuardOptions,
+                args, kwargs) -> dict[str, Any]:
+  """What decides the plan: the program under the default plan, where it must fit, how,
+  and the compiler's settings outside the program (README: the plan cache)."""
+  lowered = step.learn_state(args, kwargs, lower=True)
+  parts = {
+      "program": hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+      "where": backend.where(), "capacity": options.budget, "max_class": options.max_class,
+      "ladder": [r.to_dict() for r in options.ladder], "state_argnums": options.state_argnums,
+      "max_attempts": options.max_attempts, "search": options.search,
+      "headroom": options.headroom, "compiler_options": options.jit_kwargs.get("compiler_options"),
+      "compile_environment": plan_cache_lib.compile_environment(),
+      "versions": plan_cache_lib.versions()}
+  return json.loads(json.dumps(parts, default=repr))  # as it reads back from the file
+
+
+class Fit:
+  """One fit of the input signature `key` (the guard serialises fits)."""
+
+  def __init__(self, step: steps_lib.StepBuilder, backend, options: options_lib.GuardOptions,
+               cache: plan_cache_lib.PlanCache | None, ledger: Ledger, key, args, kwargs):
+    self.step, self.backend, self.options, self.cache = step, backend, options, cache
+    self.ledger, self.key, self.args, self.kwargs = ledger, key, args, kwargs
+    self._planner: planner_lib.Planner | None = None
+    self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
+
+  # -- the fit ---------------------------------------------------------------------------
+
+  def run(self, start: plan_lib.Plan, failed_run: compile_lib.Trial | None = None
+          ) -> climb_lib.Result:
+    """Climbs from `start` (or from a plan that failed at run time) to a plan that fits;
+    the result, or the error that says why nothing did."""
+    cache_key = parts = None
+    if failed_run is None and self.cache is not None and self.options.auto_fallback:
+      parts = cache_parts(self.step, self.backend, self.options, self.args, self.kwargs)
+      cache_key = plan_cache_lib.digest(parts)
+      start = self._from_cache(cache_key, parts, start)
+    if not self.step.replaced and (start.shard_state or start.offload_optimizer):
+      self.step.learn_state(self.args, self.kwargs)  # a planned layout needs the state first
+
+    def try_plan(p):
+      if failed_run is not None and p == failed_run.plan:
+        return failed_run
+      return self.backend.compile(p, self.key, self.args, self.kwargs)
+
+    o = self.options
+    result = climb_lib.climb(
+        try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
+        auto_fallback=o.auto_fallback,
+        step_facts=lambda t: self.backend.step_facts(self.args, t),
+        first_number=len(self.ledger.attempts) + 1,
+        signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
+        on_attempt=self.ledger.record,
+        plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
+    if cache_key is not None:
+      self.cache.put(cache_key, plan_cache_lib.Entry(
+          status=Status.FITS if result.status is climb_lib.Status.FITS else Status.EXHAUSTED,
+          plan=result.plan, attempts=tuple(a.to_dict() for a in result.attempts),
+          parts=parts, written_at=time.time()))
+    if result.status is not climb_lib.Status.FITS:
+      self._fail(result)
+    return result
+
+  def _from_cache(self, cache_key: str, parts: dict, start: plan_lib.Plan) -> plan_lib.Plan:
+    cached = self.cache.get(cache_key, self._trusted)
+    if cached is None:
+      return start
+    if cached.status == Status.EXHAUSTED:
+      if jax.process_count() == 1 and not self.options.plan_cache_retry_exhausted:
+        self._exhausted_from_cache(cache_key, parts, cached)  # many hosts never stop alone
+      return start
+    logging.info("hbm_guard: %s starts from the cached plan %s (%s)", self.step.name,
+                 cached.plan.describe(), self.cache.path(cache_key))
+    return cached.plan
+
+  def _trusted(self, entry: plan_cache_lib.Entry) -> plan_cache_lib.Entry:
+    """A cache entry as this guard may use it: its plans within the options, an
+    exhaustion young enough to believe; a ValueError (a miss) otherwise."""
+    nargs, source = len(self.args), "the plan cache entry"
+    plan = self.options.trusted(entry.plan, nargs=nargs, source=source)
+    if entry.status != Status.EXHAUSTED:
+      return dataclasses.replace(entry, plan=plan, attempts=())
+    age = entry.age_seconds()
+    if age is None or not -300 <= age <= plan_cache_lib.EXHAUSTED_MAX_AGE_S:
+      raise ValueError("an exhaustion of unknown age, or older than "
+                       f"{plan_cache_lib.EXHAUSTED_MAX_AGE_S / 86400:.0f} days, is not believed")
+    attempts = []
+    for i, a in enumerate(entry.attempts[:self.options.max_attempts], start=1):
+      tried = self.options.trusted(plan_lib.Plan.from_dict(a.get("plan")), nargs=nargs,
+                                   source=source)
+      if a.get("outcome") != compile_lib.Outcome.OOM:
+        raise ValueError("an exhaustion whose attempts did not all fail")
+      attempts.append({"number": i, "plan": tried.to_dict(), "described": tried.describe(),
+                       "outcome": compile_lib.Outcome.OOM.value, "seconds": 0.0,
+                       "signature": "", "skipped": []})
+    if not attempts:
+      raise ValueError("an exhaustion with no attempts")
+    return dataclasses.replace(entry, plan=plan, attempts=tuple(attempts))
+
+  def _exhausted_from_cache(self, cache_key: str, parts: dict, cached) -> None:
+    """A retry after exhaustion does not climb again: same program, same answer. Unless
+    asked to: the error says how old the answer is and what it covers."""
+    path = self.cache.path(cache_key)
+    self.ledger.write(Status.EXHAUSTED, attempts=list(cached.attempts),
+                      note=f"from the plan cache {path}: no compile was made")
+    raise errors.LadderExhaustedError.remembered(
+        name=self.step.name, age_seconds=cached.age_seconds() or 0.0,
+        compiles=len(cached.attempts), where=str(parts.get("where")),
+        last=cached.plan.describe(), cache_dir=self.cache.directory,
+        report_path=self.ledger.path)
+
+  # -- planning ----------------------------------------------------------------------------
+
+  def _plan_next(self, plan: plan_lib.Plan, trial: compile_lib.Trial,
+                 facts: ladder_lib.StepFacts):
+    """The planner's choice after `plan` failed (the ladder's, with no capacity known)."""
+    rec, o = trial.record, self.options
+    if self._planner is None:
+      capacity = hosts_lib.agree_capacity(self.backend.capacity(self.args) or rec.available_bytes)
+      if not capacity:
+        return ladder_lib.next_plan(o.ladder, plan, facts, rec, o.max_class) + (None,)
+      self._planner = planner_lib.Planner(
+          lambda p: backend_lib.probe(self.backend, p, self.key, self.args, self.kwargs),
+          lambda p: self.step.flops(p, self.args, self.kwargs), capacity,
+          scale=self.backend.probe_scale, exact=self.backend.exact_probes,
+          headroom=o.headroom)
+    self._last = (plan, facts)
+    self._planner.observe(plan, rec.required_bytes, fits=False)
+    return planner_lib.next_plan(self._planner, o.ladder, plan, facts, rec, o.max_class)
+
+  def _above_class(self) -> AboveClass | None:
+    """When nothing allowed fits: would a plan of a higher class? Priced by probes."""
+    if self._planner is None or self._last is None:
+      return None
+    plan, facts = self._last
+    classes = ladder_lib.CLASSES
+    for klass in classes[classes.index(self.options.max_class) + 1:]:
+      fams, counts, _ = planner_lib.families(self.options.ladder, plan, facts, klass)
+      choice = self._planner.choose(fams, counts, facts.offload_bytes)
+      if choice is not None:
+        return AboveClass(klass, choice.plan.describe(), choice.predicted_bytes)
+    return None
+
+  def _fail(self, result: climb_lib.Result):
+    trial, attempts = result.last, result.attempts
+    diag, rec, name = attempts[-1].diagnosis, trial.record, self.step.name
+    if result.status is climb_lib.Status.DIAGNOSED:
+      written = self.ledger.write(Status.DIAGNOSED)
+      logging.error("hbm_guard: %s does not fit (%s); auto fallback is off. Report: %s",
+                    name, diag.summary, self.ledger.path if written else None)
+      if trial.error is not None:
+        raise trial.error  # the compiler's own error, unchanged
+      raise errors.CapacityExceededError.over(
+          name=name, need=rec.required_bytes, capacity=rec.available_bytes,
+          scenario=diag.scenario, summary=diag.summary,
+          report_path=self.ledger.path if written else None, attempts=attempts)
+    above = self._above_class()
+    written = self.ledger.write(Status.EXHAUSTED, above=above)
+    raise errors.LadderExhaustedError.nothing_fits(
+        name=name, capacity=rec.available_bytes, attempts=attempts, need=rec.required_bytes,
+        scenario=diag.scenario, summary=diag.summary, above=above,
+        report_path=self.ledger.path if written else None) from trial.error

@@ -1,0 +1,155 @@
+"""The user's step, built under a plan: one `jax.jit` object per plan (and state layout).
+
+Each jit's traced function installs its plan (so plan-aware helpers follow it), records
+what the trace told (`TraceFacts`), and only accepts the input signatures fitted to that
+plan: an unfitted signature raises `NewSignature` before anything compiles, which is how
+the guard learns of it without a check on every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Hashable
+
+import jax
+import numpy as np
+
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import layout as layout_lib
+from hbm_guard._src import options as options_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import trace as trace_lib
+
+
+class NewSignature(Exception):
+  """Raised at trace time for an input signature not fitted to this jit's plan."""
+
+  def __init__(self, key):
+    super().__init__("hbm_guard: new input signature")
+    self.key = key
+
+
+@dataclasses.dataclass(eq=False)
+class PlanJit:
+  """A jit object for one plan (and, with a layout, one state structure)."""
+  plan: plan_lib.Plan
+  jitted: Any
+  layout: dict[int, Any] | None
+  allowed: set  # signatures this jit may trace
+  facts: dict  # signature -> compile_lib.TraceFacts of its last trace
+
+  def __call__(self, args, kwargs):
+    try:
+      return self.jitted(*args, **kwargs)
+    except ValueError:
+      # State the caller holds in another layout than the plan's (sharded, on host): move
+      # it once; the step returns it in the planned layout, so later calls are direct.
+      if not self.layout:
+        raise
+      return self.jitted(*layout_lib.place(args, self.layout), **kwargs)
+
+
+class StepBuilder:
+  """Builds the step's jit objects per plan, and remembers what the state looks like."""
+
+  def __init__(self, fun: Callable, options: options_lib.GuardOptions):
+    self.fun, self.options = fun, options
+    self.name = getattr(fun, "__name__", "step")
+    self.replaced: tuple[tuple[int, Any], ...] = ()  # (argnum, output) the step returns anew
+    self.n_outputs: int | None = None
+    self._jits: dict[Hashable, PlanJit] = {}
+
+  def static(self, nargs: int) -> tuple[int, ...]:
+    return tuple(i % nargs for i in self.options.static_argnums) if nargs else ()
+
+  def key(self, args, kwargs) -> Hashable:
+    return trace_lib.signature(args, kwargs, self.static(len(args)),
+                               self.options.static_argnames)
+
+  def abstract(self, args, kwargs, layout, devices=None):
+    """The arguments as shapes and dtypes placed by `layout` (for a compile, not a run)."""
+    return layout_lib.abstract_args(args, kwargs, layout, self.static(len(args)),
+                                    self.options.static_argnames, devices)
+
+  def learn(self, facts: compile_lib.TraceFacts | None) -> None:
+    """The replaced state, from the first trace that saw it (the same for every plan)."""
+    if facts is not None and not self.replaced:
+      self.replaced, self.n_outputs = facts.replaced, facts.n_outputs
+
+  def layout(self, plan: plan_lib.Plan, args, devices) -> dict[int, Any] | None:
+    return layout_lib.plan_layout(plan, args, [i for i, _ in self.replaced], devices,
+                                  self.options.offload_filter)
+
+  def _traced(self, plan: plan_lib.Plan, allowed, facts):
+    fun, state_argnums = self.fun, self.options.state_argnums
+
+    @functools.wraps(fun)
+    def traced(*args, **kwargs):
+      key = self.key(args, kwargs)
+      if allowed is not None and key not in allowed:
+        raise NewSignature(key)
+      with plan_lib.plan_scope(plan) as scope:
+        out = fun(*args, **kwargs)
+      facts[key] = compile_lib.TraceFacts(
+          reads=frozenset(scope.reads), replaced=trace_lib.replaced_state(args, out, state_argnums),
+          n_outputs=len(out) if isinstance(out, (tuple, list)) else None,
+          batch_size=scope.facts.get("batch_size"), loss_form=scope.facts.get("loss_form"),
+          optimizer_streaming=scope.facts.get("optimizer_streaming"))
+      return out
+
+    return traced
+
+  def jit(self, plan: plan_lib.Plan, layout=None, nargs: int = 0, allowed=None, facts=None):
+    """A new `jax.jit` of the step under `plan` (`allowed` None: any signature)."""
+    kw = self.options.jax_jit_kwargs()
+    donate = tuple(sorted(set(self.options.user_donate) | set(plan.donate_argnums)))
+    if donate:
+      kw["donate_argnums"] = donate
+    if plan.compiler_options:  # the user's own options, and the plan's over them
+      kw["compiler_options"] = {**(kw.get("compiler_options") or {}),
+                                **dict(plan.compiler_options)}
+    if layout:
+      static = set(self.static(nargs))
+      kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
+      kw["out_shardings"] = layout_lib.out_shardings(layout, self.replaced, self.n_outputs)
+    return jax.jit(self._traced(plan, allowed, {} if facts is None else facts), **kw)
+
+  def plan_jit(self, plan: plan_lib.Plan, args) -> PlanJit:
+    """The local jit object for `plan` (one per plan and, with a layout, state structure)."""
+    layout = self.layout(plan, args, jax.devices()) if args is not None else None
+    state = None if layout is None else tuple(args[i] for i in layout)
+    jkey = (plan, None if state is None else jax.tree_util.tree_structure(state),
+            None if state is None else tuple(np.shape(x) for x in jax.tree.leaves(state)))
+    entry = self._jits.get(jkey)
+    if entry is None:
+      allowed, facts = set(), {}
+      nargs = len(args) if args is not None else 0
+      entry = PlanJit(plan, self.jit(plan, layout, nargs, allowed, facts), layout, allowed,
+                      facts)
+      self._jits[jkey] = entry
+    return entry
+
+  def learn_state(self, args, kwargs, lower: bool = False):
+    """Traces (or lowers) under the default plan: which state the step replaces."""
+    facts: dict = {}
+    jitted = self.jit(plan_lib.Plan(), None, len(args), None, facts)
+    if lower:  # by shape and dtype only: where the caller's arrays live is not the program
+      args, kwargs = layout_lib.shapes_only(args, kwargs, self.static(len(args)),
+                                            self.options.static_argnames)
+    out = jitted.lower(*args, **kwargs) if lower else jitted.trace(*args, **kwargs)
+    if facts:
+      self.learn(next(iter(facts.values())))
+    return out
+
+  def flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
+    """The step's compute under `plan` (one batch, no placement), by the compiler's count."""
+    local = dataclasses.replace(plan, offload_optimizer=False, shard_state=False,
+                                donate_argnums=(), compiler_options=())
+    try:
+      analysis = self.jit(local, None, len(args)).lower(*args, **kwargs).cost_analysis()
+      if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+      return float(analysis.get("flops", 0.0)) or None
+    except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
+      return None
