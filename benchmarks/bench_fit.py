@@ -34,6 +34,7 @@ import optax
 from flax.training import train_state
 
 import hbm_guard
+from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import targets
 from hbm_guard.integrations import flax as hg_flax
@@ -173,7 +174,7 @@ def run_guard(case, r: Runner, search: str):
     plan, mem = None, None
   r.seconds = time.perf_counter() - t0  # probes included
   r.compiles = len(g.attempts)
-  r.failed = sum(a.outcome != "fits" for a in g.attempts)
+  r.failed = sum(a.outcome is not compile_lib.Outcome.FITS for a in g.attempts)
   probes = sum(len(a.planning.probes) for a in g.attempts if a.planning is not None)
   return plan, case.batch, mem, {"probes": probes}
 

@@ -22,10 +22,10 @@ from hbm_guard._src.errors import UnknownTargetError
 from hbm_guard._src.climb import Attempt
 from hbm_guard._src.guard import GuardedFunction
 from hbm_guard._src.guard import guarded_jit
-from hbm_guard._src.helpers import checkpoint
-from hbm_guard._src.helpers import compute_dtype
-from hbm_guard._src.helpers import current_remat_policy
-from hbm_guard._src.helpers import value_and_grad
+from hbm_guard._src.plan_aware import checkpoint
+from hbm_guard._src.plan_aware import compute_dtype
+from hbm_guard._src.plan_aware import current_remat_policy
+from hbm_guard._src.plan_aware import value_and_grad
 from hbm_guard._src.ladder import Rung
 from hbm_guard._src.offload import load_offloaded
 from hbm_guard._src.offload import offload_aware

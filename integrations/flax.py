@@ -21,7 +21,7 @@ import functools
 from typing import Any, Callable
 
 from hbm_guard._src import guard as guard_lib
-from hbm_guard._src import helpers
+from hbm_guard._src import plan_aware
 from hbm_guard._src import offload
 
 
@@ -42,12 +42,12 @@ def remat(target: Any, **kwargs) -> Any:
 
   @functools.wraps(target)
   def planned(*args, **kw):  # the plan's own policy object, resolved at each trace
-    return nnx.remat(target, policy=helpers.current_remat_policy(), **kwargs)(*args, **kw)
+    return nnx.remat(target, policy=plan_aware.current_remat_policy(), **kwargs)(*args, **kw)
   return planned
 
 
 def _plan_reading_policy(prim, *args, **params):
-  return helpers.current_remat_policy()(prim, *args, **params)
+  return plan_aware.current_remat_policy()(prim, *args, **params)
 
 
 def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
@@ -64,7 +64,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
 
     def loss(params, batch):
       return loss_fn(params, batch, state.apply_fn)
-    out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux)(
+    out, grads = plan_aware.value_and_grad(loss, batch_argnums=1, has_aux=has_aux)(
         state.params, batch)
     value, aux = out if has_aux else (out, None)
     # With the offload rung the optimizer state streams through the device in the update.
@@ -112,7 +112,7 @@ def nnx_train_step(loss_fn: Callable, graphdef: Any, *, has_aux: bool = False,
 
     def loss(p, b):
       return loss_fn(nnx.merge(model_def, p, rest), b)
-    out, grads = helpers.value_and_grad(loss, batch_argnums=1, has_aux=has_aux,
+    out, grads = plan_aware.value_and_grad(loss, batch_argnums=1, has_aux=has_aux,
                                         weighted=weighted)(params, batch)
     value, aux = out if has_aux else (out, None)
     # With the offload rung the optimizer state streams through the device in the update.

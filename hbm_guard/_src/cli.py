@@ -185,7 +185,7 @@ def _cache(args, out: TextIO) -> int:
     return 0
   removed = 0
   for key, e in list(_cache_entries(cache, args.key)):
-    if args.exhausted and (isinstance(e, str) or e.status != "exhausted"):
+    if args.exhausted and (isinstance(e, str) or e.status != plan_cache.Status.EXHAUSTED):
       continue
     removed += cache.remove(key)
   print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {cache.directory}",

@@ -68,7 +68,7 @@ class Result:
 
 def divisor_at_least(n: int, k: int) -> int:
   """The smallest divisor of n that is >= k (n itself when k > n)."""
-  return next((d for d in range(max(1, k), n + 1) if n % d == 0), n)
+  return next(iter(plan_lib.microbatch_counts(n, above=max(1, k) - 1)), n)
 
 
 def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_lib.Plan, *,

@@ -242,91 +242,113 @@ def diagnose(rec: record_lib.E1000Record) -> Diagnosis:
   """The scenario of E1000.md a record falls under, with ranked advice."""
   large = _large(rec)
   padding = _padding(rec)
-  program_waste = _program_padding_waste(rec)
   short = rec.shortfall_bytes
   over = f" by {format_bytes(short)}" if short and short > 0 else ""
-
   if rec.kind == record_lib.COMPILE_OTHER_MEMORY:
-    return Diagnosis(
-        scenario=None, variant=None, sections=(),
-        summary=(f"Compile-time out-of-memory in {rec.memory_space or 'a non-HBM memory'}"
-                 f"{' (' + rec.error_code + ')' if rec.error_code else ''}{over}: not HBM, so "
-                 "E1000's scenarios and the HBM ladder do not apply."),
-        advice=(Advice("-", "Reduce the kernel's block sizes or scoped memory limit "
-                       "(e.g. --xla_tpu_scoped_vmem_limit_kib); see the error code's page."),),
-        rungs=())
-
-  padding_advice = []
-  if padding or program_waste:
-    where = ", ".join(
-        f"#{p.index} {list(p.shape)} pads to {list(p.padded_shape)} ({p.expansion}x)"
-        for p in padding[:3])
-    if program_waste and not where:
-      where = f"{format_bytes(program_waste)} of HLO temp is padding"
-    padding_advice.append(Advice(
-        "S3.C", "Padding wastes memory (" + where + "). Keep large dimensions (batch, "
-        "embedding, hidden) multiples of 128 (minor-most) and 8 (second-minor), or move small "
-        "dimensions away from the two minor-most positions.", may_change_behaviour=True))
-
+    return _other_memory(rec, over)
+  padding_advice = _padding_advice(padding, _program_padding_waste(rec))
   if rec.kind == record_lib.COMPILE_HBM_TC_SC:
-    tc, sc, cap = rec.tensorcore_bytes or 0, rec.sparsecore_bytes or 0, rec.capacity_bytes
-    if cap and sc > cap and tc <= cap:
-      variant = "sc_high"
-    elif cap and tc > cap and sc <= cap:
-      variant = "tc_high"
-    elif cap and tc > cap and sc > cap:
-      variant = "sc_high" if sc >= tc else "tc_high"
-    else:
-      variant = "balanced"
-    sc_advice = [
-        Advice("S1", "SparseCore stack: raise --xla_sc_num_serialized_tables_to_optimize_hbm "
-               "to serialise table processing (costs parallelism); stack use grows with "
-               "feature_width, max_unique_nz_per_row and logical_replica_count."),
-        Advice("S1", "SparseCore padding: tables narrower than 8 floats (32 bytes) waste HBM; "
-               "widen or combine them."),
-        Advice("S1", "SparseCore heap: lower maximum_parallel_iterations so less input is "
-               "prefetched into HBM."),
-        Advice("S1", "Check that embedding tables are mod-sharded across all chips.",
-               RESHARD_FSDP)]
-    if variant == "sc_high":
-      advice = sc_advice
-      summary = (f"SparseCore HBM use ({format_bytes(sc)}) alone exceeds the "
-                 f"{format_bytes(cap)} available; TensorCore uses {format_bytes(tc)} (S1, SC high).")
-    elif variant == "tc_high":
-      advice = _s3_advice(rec)
-      summary = (f"TensorCore HBM use ({format_bytes(tc)}) alone exceeds the "
-                 f"{format_bytes(cap)} available (S1, TC high: follow S3).")
-    else:
-      advice = sc_advice + _s3_advice(rec)
-      summary = (f"TensorCore {format_bytes(tc)} + SparseCore {format_bytes(sc)} exceed "
-                 f"{format_bytes(cap)}; neither alone does (S1, balanced: reduce both).")
-    sections = ("S1",) + (("S3",) if variant != "sc_high" else ())
-    return Diagnosis("S1", variant, sections, summary, tuple(advice),
-                     tuple(dict.fromkeys(a.rung for a in advice if a.rung)),
-                     large, padding)
-
+    return _tensorcore_sparsecore(rec, large, padding)
   if large:
-    top = large[0]
-    src = f" from {top.op_name or top.shape_text}" + (f" at {top.source}" if top.source else "")
-    summary = (f"{len(large)} allocation(s) above half of the {format_bytes(rec.capacity_bytes)}"
-               f" capacity; the largest is {format_bytes(top.size_bytes)}{src} (S2).")
-    advice = []
-    if any("debug_print" in l.suspects for l in large):
-      advice.append(Advice("S2", "Remove jax.debug.print / host callbacks from the step: they "
-                           "force whole tensors into HBM to ship them to the host."))
-    advice.append(Advice("S2", "Check the mesh shape and that sharding is specified and "
-                         "propagated for these tensors: a missing annotation replicates a "
-                         "huge tensor onto one chip.", RESHARD_FSDP))
-    if not any("debug_print" in l.suspects for l in large):
-      advice.append(Advice("S2", "Remove debugging artefacts (jax.debug.print) that break "
-                           "fusion and materialise whole tensors."))
-    advice += padding_advice
-    advice.append(Advice("S2", "Use the XLA labels of these allocations to find their JAX "
-                         "source (XProf memory viewer, S3.F)."))
-    sections = ("S2",) + (("S3.C",) if padding_advice else ())
-    return Diagnosis("S2", None, sections, summary, tuple(advice),
-                     tuple(dict.fromkeys(a.rung for a in advice if a.rung)), large, padding)
+    return _large_allocations(large, padding, padding_advice, rec)
+  return _total_too_large(rec, large, padding, padding_advice, over)
 
+
+def _rungs_of(advice) -> tuple[str, ...]:
+  return tuple(dict.fromkeys(a.rung for a in advice if a.rung))
+
+
+def _other_memory(rec: record_lib.E1000Record, over: str) -> Diagnosis:
+  return Diagnosis(
+      scenario=None, variant=None, sections=(),
+      summary=(f"Compile-time out-of-memory in {rec.memory_space or 'a non-HBM memory'}"
+               f"{' (' + rec.error_code + ')' if rec.error_code else ''}{over}: not HBM, so "
+               "E1000's scenarios and the HBM ladder do not apply."),
+      advice=(Advice("-", "Reduce the kernel's block sizes or scoped memory limit "
+                     "(e.g. --xla_tpu_scoped_vmem_limit_kib); see the error code's page."),),
+      rungs=())
+
+
+def _padding_advice(padding, program_waste) -> list[Advice]:
+  if not (padding or program_waste):
+    return []
+  where = ", ".join(f"#{p.index} {list(p.shape)} pads to {list(p.padded_shape)} ({p.expansion}x)"
+                    for p in padding[:3])
+  if program_waste and not where:
+    where = f"{format_bytes(program_waste)} of HLO temp is padding"
+  return [Advice(
+      "S3.C", "Padding wastes memory (" + where + "). Keep large dimensions (batch, "
+      "embedding, hidden) multiples of 128 (minor-most) and 8 (second-minor), or move small "
+      "dimensions away from the two minor-most positions.", may_change_behaviour=True)]
+
+
+def _tensorcore_sparsecore(rec: record_lib.E1000Record, large, padding) -> Diagnosis:
+  """S1: TensorCore and SparseCore figures, and which of them is over."""
+  tc, sc, cap = rec.tensorcore_bytes or 0, rec.sparsecore_bytes or 0, rec.capacity_bytes
+  if cap and sc > cap and tc <= cap:
+    variant = "sc_high"
+  elif cap and tc > cap and sc <= cap:
+    variant = "tc_high"
+  elif cap and tc > cap and sc > cap:
+    variant = "sc_high" if sc >= tc else "tc_high"
+  else:
+    variant = "balanced"
+  sc_advice = [
+      Advice("S1", "SparseCore stack: raise --xla_sc_num_serialized_tables_to_optimize_hbm "
+             "to serialise table processing (costs parallelism); stack use grows with "
+             "feature_width, max_unique_nz_per_row and logical_replica_count."),
+      Advice("S1", "SparseCore padding: tables narrower than 8 floats (32 bytes) waste HBM; "
+             "widen or combine them."),
+      Advice("S1", "SparseCore heap: lower maximum_parallel_iterations so less input is "
+             "prefetched into HBM."),
+      Advice("S1", "Check that embedding tables are mod-sharded across all chips.",
+             RESHARD_FSDP)]
+  if variant == "sc_high":
+    advice = sc_advice
+    summary = (f"SparseCore HBM use ({format_bytes(sc)}) alone exceeds the "
+               f"{format_bytes(cap)} available; TensorCore uses {format_bytes(tc)} (S1, SC high).")
+  elif variant == "tc_high":
+    advice = _s3_advice(rec)
+    summary = (f"TensorCore HBM use ({format_bytes(tc)}) alone exceeds the "
+               f"{format_bytes(cap)} available (S1, TC high: follow S3).")
+  else:
+    advice = sc_advice + _s3_advice(rec)
+    summary = (f"TensorCore {format_bytes(tc)} + SparseCore {format_bytes(sc)} exceed "
+               f"{format_bytes(cap)}; neither alone does (S1, balanced: reduce both).")
+  sections = ("S1",) + (("S3",) if variant != "sc_high" else ())
+  return Diagnosis("S1", variant, sections, summary, tuple(advice),
+                   _rungs_of(advice),
+                   large, padding)
+
+
+def _large_allocations(large, padding, padding_advice, rec: record_lib.E1000Record
+                       ) -> Diagnosis:
+  """S2: single allocations above half the capacity."""
+  top = large[0]
+  src = f" from {top.op_name or top.shape_text}" + (f" at {top.source}" if top.source else "")
+  summary = (f"{len(large)} allocation(s) above half of the {format_bytes(rec.capacity_bytes)}"
+             f" capacity; the largest is {format_bytes(top.size_bytes)}{src} (S2).")
+  advice = []
+  if any("debug_print" in l.suspects for l in large):
+    advice.append(Advice("S2", "Remove jax.debug.print / host callbacks from the step: they "
+                         "force whole tensors into HBM to ship them to the host."))
+  advice.append(Advice("S2", "Check the mesh shape and that sharding is specified and "
+                       "propagated for these tensors: a missing annotation replicates a "
+                       "huge tensor onto one chip.", RESHARD_FSDP))
+  if not any("debug_print" in l.suspects for l in large):
+    advice.append(Advice("S2", "Remove debugging artefacts (jax.debug.print) that break "
+                         "fusion and materialise whole tensors."))
+  advice += padding_advice
+  advice.append(Advice("S2", "Use the XLA labels of these allocations to find their JAX "
+                       "source (XProf memory viewer, S3.F)."))
+  sections = ("S2",) + (("S3.C",) if padding_advice else ())
+  return Diagnosis("S2", None, sections, summary, tuple(advice),
+                   _rungs_of(advice), large, padding)
+
+
+def _total_too_large(rec: record_lib.E1000Record, large, padding, padding_advice,
+                     over: str) -> Diagnosis:
+  """S3: no single allocation is to blame; the total is too large."""
   what = {
       record_lib.COMPILE_HBM_EARLY: "the compiler's early check",
       record_lib.RUNTIME_HBM: "the TPU runtime (loading or allocating)",
@@ -358,4 +380,4 @@ def diagnose(rec: record_lib.E1000Record) -> Diagnosis:
                "unused (slow; for debugging what holds memory)."),
     ]
   return Diagnosis("S3", None, sections, summary, tuple(advice),
-                   tuple(dict.fromkeys(a.rung for a in advice if a.rung)), large, padding)
+                   _rungs_of(advice), large, padding)

@@ -203,11 +203,16 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
   return None
 
 
+def remat_policies(rung: Rung, facts: StepFacts | None) -> list[str]:
+  """A remat rung's policies, in order; offloading ones only where there is host memory."""
+  return [p for p in (rung.policies or ("nothing_saveable",))
+          if not p.startswith("offload_") or (facts is not None and facts.has_host_memory)]
+
+
 def _next_policy(rung: Rung, plan: plan_lib.Plan, facts: StepFacts | None = None
                  ) -> str | None:
-  """The next remat policy of the rung; offloading ones only where there is host memory."""
-  policies = [p for p in (rung.policies or ("nothing_saveable",))
-              if not p.startswith("offload_") or (facts is not None and facts.has_host_memory)]
+  """The next remat policy of the rung."""
+  policies = remat_policies(rung, facts)
   if plan.remat_policy is None:
     return policies[0] if policies else None
   if plan.remat_policy in policies:
@@ -228,7 +233,7 @@ def microbatch_count(batch_size: int | None, current: int, rec: record_lib.E1000
   if not batch_size:
     return None, "the batch size is unknown"
   need, have = rec.required_bytes, rec.available_bytes
-  divisors = [k for k in range(current + 1, batch_size + 1) if batch_size % k == 0]
+  divisors = plan_lib.microbatch_counts(batch_size, above=current)
   if not divisors:
     return None, f"batch {batch_size} splits no further than {current} microbatches"
   if need is None or have is None:

@@ -74,11 +74,11 @@ def streamed_update(tx, grads, state, params=None, **extra_args):
   """`tx.update` with `state` on the host, streamed in parts where that is exact."""
   owner = None if extra_args else _owners(tx, grads, state, params)
   if owner is None:
-    plan_lib.note_fact("optimizer_streaming", Streaming.WHOLE.value)
+    plan_lib.note(optimizer_streaming=Streaming.WHOLE.value)
     updates, new = tx.update(grads, jax.device_put(state, jax.memory.Space.Device),
                              params, **extra_args)
     return updates, _store(new, state)
-  plan_lib.note_fact("optimizer_streaming", Streaming.STREAMED.value)
+  plan_lib.note(optimizer_streaming=Streaming.STREAMED.value)
 
   g_leaves, g_def = jax.tree.flatten(grads)
   p_leaves = None if params is None else jax.tree.leaves(params)

@@ -22,6 +22,18 @@ _OPTION_NAME = re.compile(r"[a-z][a-z0-9_]{0,127}")
 _RUNG_NAME = re.compile(r"[\w.\-]{1,128}")
 
 
+# The plan field each default rung sets, and how a plan names it: the one table from rung
+# to field (describe, the planner's rung names, the report's "already applied").
+FIELD_RUNGS = (
+    ("donate_argnums", "donate", lambda v: "donate"),
+    ("shard_state", "reshard_fsdp", lambda v: "reshard_fsdp"),
+    ("remat_policy", "layer_remat", lambda v: f"layer_remat({v})"),
+    ("microbatches", "microbatch", lambda v: f"microbatch({v})"),
+    ("offload_optimizer", "offload_optimizer", lambda v: "offload_optimizer"),
+    ("compute_dtype", "bf16", lambda v: f"dtype({v})"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """How to build and compile a step. The default plan is plain `jax.jit`."""
@@ -45,20 +57,16 @@ class Plan:
   def added(self, rung: str, **changes) -> "Plan":
     return dataclasses.replace(self, rungs=self.rungs + (rung,), **changes)
 
-  def field_rungs(self) -> tuple[tuple[str, str], ...]:
-    """(rung name, detail) for each plan-field rung the plan applies, in ladder order."""
-    parts = []
-    if self.donate_argnums:
-      parts.append(("donate", "donate"))
-    if self.shard_state:
-      parts.append(("reshard_fsdp", "reshard_fsdp"))
-    if self.remat_policy:
-      parts.append(("layer_remat", f"layer_remat({self.remat_policy})"))
-    if self.microbatches > 1:
-      parts.append(("microbatch", f"microbatch({self.microbatches})"))
-    if self.offload_optimizer:
-      parts.append(("offload_optimizer", "offload_optimizer"))
-    return tuple(parts)
+  def field_rungs(self, *, dtype: bool = False) -> tuple[tuple[str, str], ...]:
+    """(rung name, detail) for each plan-field rung the plan applies, in ladder order
+    (the compute dtype too, with `dtype=True`). The one rung <-> field table is FIELD_RUNGS."""
+    out = []
+    for field, rung, detail in FIELD_RUNGS:
+      value = getattr(self, field)
+      if (value > 1 if field == "microbatches" else bool(value)) and (
+          dtype or field != "compute_dtype"):
+        out.append((rung, detail(value)))
+    return tuple(out)
 
   def describe(self) -> str:
     """What the plan does, by its fields (flag rungs by the names they were applied as)."""
@@ -66,8 +74,7 @@ class Plan:
       return "plain jit"
     fields = self.field_rungs()
     parts = [detail for _, detail in fields]
-    known = {name for name, _ in fields} | {"donate", "reshard_fsdp", "layer_remat",
-                                            "microbatch", "offload_optimizer", "bf16"}
+    known = {rung for _, rung, _ in FIELD_RUNGS}
     flags = [r for r in dict.fromkeys(self.rungs) if r not in known]
     if self.compiler_options:
       parts += flags or [",".join(f"{k}={v}" for k, v in self.compiler_options)]
@@ -103,6 +110,12 @@ class Plan:
         raise errors.InvalidPlanError("Plan field 'compiler_options' must be an object.")
       kw["compiler_options"] = tuple(sorted(options.items(), key=lambda kv: str(kv[0])))
     return cls(**kw)
+
+
+def microbatch_counts(batch_size: int, above: int = 0, limit: int = MAX_MICROBATCHES
+                      ) -> list[int]:
+  """The microbatch counts a batch splits into evenly (its divisors), above `above`."""
+  return [k for k in range(above + 1, min(batch_size, limit) + 1) if batch_size % k == 0]
 
 
 def _as_tuple(value: Any, key: str) -> tuple:
@@ -149,10 +162,23 @@ def _check_fields(plan: Plan) -> None:
 
 
 @dataclasses.dataclass
+class TraceNotes:
+  """What plan-aware helpers tell the guard at trace time, as typed fields."""
+  batch_size: int | None = None  # the batch the step's value_and_grad split
+  loss_form: str | None = None  # "weighted_sum" | "mean": how it reduced the loss
+  optimizer_streaming: str | None = None  # "streamed" | "whole": how offload brought it in
+
+
+@dataclasses.dataclass
 class _Scope:
   plan: Plan
   reads: set[str] = dataclasses.field(default_factory=set)
-  facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+  notes: TraceNotes = dataclasses.field(default_factory=TraceNotes)
+
+  @property
+  def facts(self) -> dict[str, Any]:
+    """The notes that were made, by name."""
+    return {k: v for k, v in dataclasses.asdict(self.notes).items() if v is not None}
 
 
 _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
@@ -177,11 +203,14 @@ def plan_value(field: str) -> Any:
   return getattr(scope.plan, field)
 
 
-def note_fact(key: str, value: Any) -> None:
-  """Lets a helper tell the guard a fact learnt at trace time (e.g. the batch size)."""
+def note(**notes: Any) -> None:
+  """Lets a helper tell the guard what it learnt at trace time (fields of TraceNotes)."""
   scope = _SCOPE.get()
   if scope is not None:
-    scope.facts[key] = value
+    for name, value in notes.items():
+      if not hasattr(scope.notes, name):
+        raise TypeError(f"hbm_guard: no trace note {name!r}")
+      setattr(scope.notes, name, value)
 
 
 @contextlib.contextmanager

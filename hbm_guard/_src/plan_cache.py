@@ -94,12 +94,13 @@ def digest(parts: Mapping[str, Any]) -> str:
 
 MAX_ENTRY_BYTES = 4 << 20  # attempts with their records; far more than any real entry
 EXHAUSTED_MAX_AGE_S = 7 * 24 * 3600.0  # "nothing fits" older than this is not believed
-_STATUSES = ("fits", "exhausted")
+Status = report_lib.Status
+_STATUSES = (Status.FITS, Status.EXHAUSTED)
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  status: str  # "fits" | "exhausted"
+  status: report_lib.Status  # FITS or EXHAUSTED
   plan: plan_lib.Plan  # the plan that fit, or the last one tried
   attempts: tuple[dict[str, Any], ...] = ()  # as in the report
   parts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what the key covers

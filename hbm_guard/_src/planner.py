@@ -185,9 +185,8 @@ _PLANNED = ("donate", "reshard", "remat", "microbatch", "offload")
 
 
 def divisors(n: int | None, current: int = 1) -> list[int]:
-  if not n:
-    return [current]
-  return [k for k in range(1, min(n, MAX_MICROBATCHES) + 1) if n % k == 0]
+  """The counts to search: those that divide the batch (the current one if unknown)."""
+  return plan_lib.microbatch_counts(n, limit=MAX_MICROBATCHES) if n else [current]
 
 
 def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
@@ -212,8 +211,7 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
     if rung.kind in ("donate", "reshard"):
       base, _ = ladder_lib.apply(rung, base, facts, None, None)
     elif rung.kind == "remat":
-      allowed = [p for p in (rung.policies or ("nothing_saveable",))
-                 if not p.startswith("offload_") or facts.has_host_memory]
+      allowed = ladder_lib.remat_policies(rung, facts)
       policies += [p for p in allowed if p not in policies]
     elif rung.kind == "offload":
       offloads = [False, True]

@@ -400,6 +400,45 @@ def _row_key(name: str) -> str:
   return re.sub(r"\s+", " ", name)
 
 
+def _entry_field(entry: dict[str, Any], key: str, value: str) -> None:
+  """One "Key: value" line of a listing entry."""
+  if key == "size":
+    entry["size_bytes"] = parse_size(value)
+  elif key == "operator":
+    entry.update(_operator_fields(value))
+  elif key in ("shape", "entry parameter subshape"):
+    entry.update(_shape_fields(value))
+  elif key == "unpadded size":
+    entry["unpadded_bytes"] = parse_size(value)
+  elif key == "extra memory due to padding":
+    entry["padding_bytes"] = parse_size(value.split("(")[0])
+  elif key == "xla label":
+    entry["xla_label"] = value
+  elif key == "allocation type":
+    entry["allocation_type"] = value
+
+
+def _table_row(breakdown: dict[str, int | None], section: str, m: re.Match) -> None:
+  """One "name  size" row of a breakdown table, with the details some rows carry."""
+  key = _row_key(m.group(1))
+  if section == "program" and key in ("reserved",):
+    key = "program reserved"
+  value = None if m.group(2).lower().startswith("unknown") else parse_size(m.group(2))
+  if section == "capacity":
+    exact = re.search(r"\(\s*(-?[\d,]+)\s*bytes\s*\)", m.group(3))
+    if exact and len(exact.group(1)) <= 40:
+      value = int(exact.group(1).replace(",", ""))
+  breakdown.setdefault(key, value)
+  if key == "HLO temp":
+    if d := _RE_HLO_TEMP_DETAIL.search(m.group(3)):
+      breakdown["HLO temp unpadded"] = parse_size(d.group(1))
+      breakdown["HLO temp padded"] = parse_size(d.group(2))
+    if d := _RE_FRAG_DETAIL.search(m.group(3)):
+      breakdown["fragmentation"] = parse_size(d.group(1))
+  if key == "total fragmentation":
+    breakdown["fragmentation"] = value
+
+
 def _parse_blocks(lines: list[str]) -> tuple[dict, dict, list, list, int]:
   """Breakdown tables and listings. Returns (fields, breakdown, allocs, args, used)."""
   fields: dict[str, Any] = {}
@@ -454,21 +493,7 @@ def _parse_blocks(lines: list[str]) -> tuple[dict, dict, list, list, int]:
       section = section or "allocations"  # a fragment that starts inside a listing
       entry = {"size_bytes": parse_size(m.group(1))} if m.group(1) else {}
     elif section in listings and entry is not None and (m := _RE_FIELD.match(line)):
-      key, value = m.group(1).lower(), m.group(2).strip()
-      if key == "size":
-        entry["size_bytes"] = parse_size(value)
-      elif key == "operator":
-        entry.update(_operator_fields(value))
-      elif key in ("shape", "entry parameter subshape"):
-        entry.update(_shape_fields(value))
-      elif key == "unpadded size":
-        entry["unpadded_bytes"] = parse_size(value)
-      elif key == "extra memory due to padding":
-        entry["padding_bytes"] = parse_size(value.split("(")[0])
-      elif key == "xla label":
-        entry["xla_label"] = value
-      elif key == "allocation type":
-        entry["allocation_type"] = value
+      _entry_field(entry, m.group(1).lower(), m.group(2).strip())
     elif section in listings and _RE_SEPARATOR.match(line):
       close_entry()
     elif m := _RE_MAX_FREE.match(line):
@@ -476,23 +501,7 @@ def _parse_blocks(lines: list[str]) -> tuple[dict, dict, list, list, int]:
     elif (section in ("total", "program", "capacity", "table")
           or (section is None and _RE_TOTAL_ROW.match(line))) and (m := _RE_ROW.match(line)):
       section = section or "total"  # a fragment that starts inside "Total hbm usage"
-      key = _row_key(m.group(1))
-      if section == "program" and key in ("reserved",):
-        key = "program reserved"
-      value = None if m.group(2).lower().startswith("unknown") else parse_size(m.group(2))
-      if section == "capacity":
-        exact = re.search(r"\(\s*(-?[\d,]+)\s*bytes\s*\)", m.group(3))
-        if exact:
-          value = int(exact.group(1).replace(",", ""))
-      breakdown.setdefault(key, value)
-      if key == "HLO temp":
-        if d := _RE_HLO_TEMP_DETAIL.search(m.group(3)):
-          breakdown["HLO temp unpadded"] = parse_size(d.group(1))
-          breakdown["HLO temp padded"] = parse_size(d.group(2))
-        if d := _RE_FRAG_DETAIL.search(m.group(3)):
-          breakdown["fragmentation"] = parse_size(d.group(1))
-      if key == "total fragmentation":
-        breakdown["fragmentation"] = value
+      _table_row(breakdown, section, m)
     else:
       used = False
     if used:

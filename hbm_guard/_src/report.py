@@ -56,18 +56,15 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
 
 def _applied(plan: dict[str, Any]) -> set[str]:
   """The rungs a plan (as a dict) has taken as far as they go."""
-  done = set(plan.get("rungs") or ())
-  if plan.get("donate_argnums"):
-    done.add("donate")
-  if plan.get("shard_state"):
-    done.add("reshard_fsdp")
-  if plan.get("offload_optimizer"):
-    done.add("offload_optimizer")
-  if plan.get("compute_dtype"):
-    done.add("bf16")
-  if plan.get("remat_policy") != "nothing_saveable":
+  from hbm_guard._src import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  try:
+    p = plan_lib.Plan.from_dict(plan)
+  except ValueError:
+    return set()
+  done = set(p.rungs) | {rung for rung, _ in p.field_rungs(dtype=True)}
+  if p.remat_policy != "nothing_saveable":
     done.discard("layer_remat")  # a weaker policy leaves room to go further
-  if (plan.get("microbatches") or 1) > 1:
+  if p.microbatches > 1:
     done.discard("microbatch")
   return done
 

@@ -12,6 +12,7 @@ import html
 import urllib.parse
 from typing import Any
 
+from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import report as report_lib
@@ -75,7 +76,7 @@ def chart(data: dict[str, Any]) -> str:
                    f'fill="{colors[name]}"><title>{name}: {_e(_fmt(v))}</title></rect>')
       x += w
     out.append(f'<text x="{x + 6:.1f}" y="{y + 15}" font-size="12">{_e(_fmt(totals[i]))} '
-               f'{"fits" if a.get("outcome") == "fits" else "OOM"}</text>')
+               f'{"fits" if a.get("outcome") == compile_lib.Outcome.FITS else "OOM"}</text>')
   if cap:
     cx = label_w + bar_w * cap / top
     out.append(f'<line x1="{cx:.1f}" y1="8" x2="{cx:.1f}" y2="{height - 10}" '

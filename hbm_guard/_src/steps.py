@@ -94,8 +94,8 @@ class StepBuilder:
       facts[key] = compile_lib.TraceFacts(
           reads=frozenset(scope.reads), replaced=trace_lib.replaced_state(args, out, state_argnums),
           n_outputs=len(out) if isinstance(out, (tuple, list)) else None,
-          batch_size=scope.facts.get("batch_size"), loss_form=scope.facts.get("loss_form"),
-          optimizer_streaming=scope.facts.get("optimizer_streaming"))
+          batch_size=scope.notes.batch_size, loss_form=scope.notes.loss_form,
+          optimizer_streaming=scope.notes.optimizer_streaming)
       return out
 
     return traced

@@ -8,6 +8,7 @@ They read the plan at trace time, so the guard can rebuild the step under a new 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -118,82 +119,108 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
   if batch_argnums is None and not batch_argnames:
     raise TypeError("hbm_guard.value_and_grad: say which arguments hold the batch "
                     "(batch_argnums=... or batch_argnames=...).")
-  batch_argnums = argnums_lib.as_tuple(batch_argnums)
-  batch_argnames = tuple(batch_argnames)
-  rng_argnums = argnums_lib.as_tuple(rng_argnums)
-  diff = argnums_lib.as_tuple(argnums)
-
-  if weighted:
-    def summed(*args, **kwargs):
-      out = fun(*args, **kwargs)
-      (total, weight), aux = out if has_aux else (out, None)
-      return total, (weight, aux)
-    vg = jax.value_and_grad(summed, argnums=argnums, has_aux=True)
-  else:
-    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-
-  def unpack(out):
-    """(loss sum or mean, weight or None, aux or None) from one vg output."""
-    if weighted:
-      total, (weight, aux) = out
-      return total, weight, aux
-    if has_aux:
-      return out[0], None, out[1]
-    return out, None, None
-
-  def pack(loss, aux):
-    return (loss, aux) if has_aux else loss
+  split = _Split(argnums_lib.as_tuple(batch_argnums), tuple(batch_argnames),
+                 argnums_lib.as_tuple(rng_argnums), argnums, weighted, has_aux, reduce_aux)
+  vg = _value_and_grad(fun, argnums, has_aux, weighted)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     k = plan_lib.plan_value("microbatches")
-    plan_lib.note_fact("loss_form", "weighted_sum" if weighted else "mean")
-    batch_leaves = [x for i in batch_argnums for x in jax.tree.leaves(args[i])]
-    batch_leaves += [x for n in batch_argnames if n in kwargs for x in jax.tree.leaves(kwargs[n])]
-    sizes = {x.shape[0] for x in batch_leaves if getattr(x, "ndim", 0) >= 1}
-    if len(sizes) > 1:
-      raise ValueError(f"hbm_guard.value_and_grad: batch arguments have different leading "
-                       f"sizes {sorted(sizes)}.")
-    batch = sizes.pop() if sizes else None
-    plan_lib.note_fact("batch_size", batch)
+    plan_lib.note(loss_form="weighted_sum" if weighted else "mean")
+    batch = split.batch_size(args, kwargs)
+    plan_lib.note(batch_size=batch)
     if k == 1 or batch is None:
       out, grads = vg(*args, **kwargs)
-      loss, weight, aux = unpack(out)
+      loss, weight, aux = split.unpack(out)
       if not weighted:
-        return pack(loss, aux), grads
+        return split.pack(loss, aux), grads
       grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
-      return pack(loss / weight, aux), grads
+      return split.pack(loss / weight, aux), grads
     if batch % k:
       raise errors.UnevenMicrobatchError(
           f"Batch of {batch} examples does not split into {k} microbatches; use a batch "
           f"divisible by {k} (hbm_guard never drops examples).",
           batch_size=batch, microbatches=k)
-    micro = batch // k
+    return split.accumulate(vg, args, kwargs, k, batch // k)
 
+  return wrapped
+
+
+def _value_and_grad(fun, argnums, has_aux: bool, weighted: bool):
+  """jax.value_and_grad of `fun`; a weighted loss's weight travels in the aux."""
+  if not weighted:
+    return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def summed(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    (total, weight), aux = out if has_aux else (out, None)
+    return total, (weight, aux)
+  return jax.value_and_grad(summed, argnums=argnums, has_aux=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """How `value_and_grad` splits a batch and puts the microbatches' results together."""
+  batch_argnums: tuple[int, ...]
+  batch_argnames: tuple[str, ...]
+  rng_argnums: tuple[int, ...]
+  argnums: int | Sequence[int]
+  weighted: bool
+  has_aux: bool
+  reduce_aux: Callable[[Any], Any] | None
+
+  @property
+  def diff(self) -> tuple[int, ...]:
+    return argnums_lib.as_tuple(self.argnums)
+
+  def unpack(self, out):
+    """(loss sum or mean, weight or None, aux or None) from one value_and_grad output."""
+    if self.weighted:
+      total, (weight, aux) = out
+      return total, weight, aux
+    if self.has_aux:
+      return out[0], None, out[1]
+    return out, None, None
+
+  def pack(self, loss, aux):
+    return (loss, aux) if self.has_aux else loss
+
+  def batch_size(self, args, kwargs) -> int | None:
+    leaves = [x for i in self.batch_argnums for x in jax.tree.leaves(args[i])]
+    leaves += [x for n in self.batch_argnames if n in kwargs for x in jax.tree.leaves(kwargs[n])]
+    sizes = {x.shape[0] for x in leaves if getattr(x, "ndim", 0) >= 1}
+    if len(sizes) > 1:
+      raise ValueError(f"hbm_guard.value_and_grad: batch arguments have different leading "
+                       f"sizes {sorted(sizes)}.")
+    return sizes.pop() if sizes else None
+
+  def accumulate(self, vg, args, kwargs, k: int, micro: int):
+    """Loss and gradients over k microbatches of `micro` examples, by `lax.scan`."""
     def split(tree):
       return jax.tree.map(lambda x: x.reshape((k, micro) + x.shape[1:]), tree)
 
-    parts = ({i: split(args[i]) for i in batch_argnums},
-             {n: split(kwargs[n]) for n in batch_argnames if n in kwargs})
+    parts = ({i: split(args[i]) for i in self.batch_argnums},
+             {n: split(kwargs[n]) for n in self.batch_argnames if n in kwargs})
 
     def grads_like(i):
       return jax.tree.map(
           lambda x: jnp.zeros(jnp.shape(x), _acc_dtype(jnp.result_type(x))), args[i])
 
-    zero = grads_like(diff[0]) if isinstance(argnums, int) else tuple(grads_like(i) for i in diff)
+    single = isinstance(self.argnums, int)
+    zero = grads_like(self.diff[0]) if single else tuple(grads_like(i) for i in self.diff)
     loss_dtype = []
 
     def body(carry, xs):
       (pos, named), index = xs
       loss_sum, weight_sum, grad_sum = carry
       call, call_kw = list(args), dict(kwargs)
-      for i in batch_argnums:
+      for i in self.batch_argnums:
         call[i] = pos[i]
       call_kw.update(named)
-      for i in rng_argnums:
+      for i in self.rng_argnums:
         call[i] = jax.random.fold_in(args[i], index)
       out, g = vg(*call, **call_kw)
-      loss, weight, aux = unpack(out)
+      loss, weight, aux = self.unpack(out)
       loss_dtype.append(loss.dtype)
       grad_sum = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grad_sum, g)
       weight = jnp.zeros((), jnp.float32) if weight is None else weight.astype(jnp.float32)
@@ -203,20 +230,16 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero)
     (loss_sum, weight_sum, grad_sum), (auxs, weights) = jax.lax.scan(
         body, init, (parts, jnp.arange(k)))
-    denom = weight_sum if weighted else jnp.float32(k)
-    ref = args[diff[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff)
+    denom = weight_sum if self.weighted else jnp.float32(k)
+    ref = args[self.diff[0]] if single else tuple(args[i] for i in self.diff)
     grads = jax.tree.map(lambda s, r: (s / denom.astype(s.dtype)).astype(jnp.result_type(r)),
                          grad_sum, ref)
     loss = (loss_sum / denom).astype(loss_dtype[0])
-    if has_aux:
-      if reduce_aux is not None:
-        aux = reduce_aux(auxs)
-      else:
-        aux = _combine_aux(auxs, micro, weights if weighted else None)
-      return (loss, aux), grads
-    return loss, grads
-
-  return wrapped
+    if not self.has_aux:
+      return loss, grads
+    if self.reduce_aux is not None:
+      return (loss, self.reduce_aux(auxs)), grads
+    return (loss, _combine_aux(auxs, micro, weights if self.weighted else None)), grads
 
 
 def _acc_dtype(dtype):

@@ -1,0 +1,182 @@
+"""Issue #15: each room on its own. The climb and the planner are plain functions of fake
+compiles; each backend compiles for real (the end to end tests are elsewhere)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hbm_guard
+from hbm_guard._src import backend as backend_lib
+from hbm_guard._src import climb as climb_lib
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import fit as fit_lib
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import options as options_lib
+from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import record as record_lib
+from hbm_guard._src import steps as steps_lib
+
+MiB = 2**20
+Outcome = compile_lib.Outcome
+
+
+def _facts(**kw):
+  base = dict(platform="cpu", num_devices=1, plan_reads=frozenset({"*"}), state_argnums=(0,),
+              state_bytes=40 * MiB, batch_size=8)
+  return ladder_lib.StepFacts(**{**base, **kw})
+
+
+def _need(plan):  # a step whose need falls with donation and microbatching
+  return (60 if plan.donate_argnums else 100) * MiB // 2 + 100 * MiB // (2 * plan.microbatches)
+
+
+def _fake_compile(capacity, log):
+  def try_plan(plan):
+    log.append(plan)
+    need = _need(plan)
+    if need <= capacity:
+      return compile_lib.Trial(plan, Outcome.FITS, 0.0, compile_lib.TraceFacts(),
+                               memory={"peak": need})
+    rec = compile_lib.budget_record(
+        {"peak": need, "argument": 0, "output": 0, "alias": 0, "temp": need,
+         "generated_code": 0}, capacity, "fake")
+    return compile_lib.Trial(plan, Outcome.OOM, 0.0, compile_lib.TraceFacts(), rec)
+  return try_plan
+
+
+def _climb(capacity, log, **kw):
+  args = dict(rungs=ladder_lib.load_ladder(), max_class="numerics", max_attempts=6,
+              auto_fallback=True, step_facts=lambda t: _facts())
+  return climb_lib.climb(_fake_compile(capacity, log), hbm_guard.Plan(), **{**args, **kw})
+
+
+# -- the climb -------------------------------------------------------------------------------
+
+def test_the_ladder_climb_ends_on_a_plan_that_fits_with_typed_outcomes():
+  log = []
+  result = _climb(60 * MiB, log)
+  assert result.status is climb_lib.Status.FITS
+  assert [a.outcome for a in result.attempts][-1] is Outcome.FITS
+  assert all(a.outcome is Outcome.OOM for a in result.attempts[:-1])
+  assert _need(result.plan) <= 60 * MiB and len(set(log)) == len(log)  # never twice
+
+
+def test_fallback_off_diagnoses_after_one_compile():
+  log = []
+  result = _climb(10 * MiB, log, auto_fallback=False)
+  assert result.status is climb_lib.Status.DIAGNOSED and len(log) == 1
+
+
+def test_max_attempts_bounds_the_climb():
+  log = []
+  result = _climb(1 * MiB, log, max_attempts=2)
+  assert result.status is climb_lib.Status.EXHAUSTED and len(log) == 2
+
+
+def test_the_planner_chooses_the_fewest_microbatches_predicted_to_fit():
+  probes = []
+
+  def probe(plan):
+    probes.append(plan)
+    return _need(plan)
+
+  planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=60 * MiB, exact=True)
+  fams, counts, _ = planner_lib.families(ladder_lib.load_ladder(), hbm_guard.Plan(),
+                                         _facts(), "numerics")
+  choice = planner.choose(fams, counts, offload_bytes=0)
+  # donated: 30 + 50/k MiB <= 60 at k = 2 (exact figures are held against the capacity)
+  assert choice.plan.microbatches == 2 and choice.plan.donate_argnums == (0,)
+  assert len(probes) < len(fams) * len(counts)  # bisection, not every plan
+
+
+def test_headroom_applies_to_estimates_not_to_exact_figures():
+  exact = planner_lib.Planner(lambda p: 99, lambda p: 1.0, capacity=100, exact=True)
+  estimate = planner_lib.Planner(lambda p: 99, lambda p: 1.0, capacity=100, exact=False,
+                                 headroom=0.95)
+  assert exact.fits(99) and exact.fits(100) and not exact.fits(101)
+  assert not estimate.fits(99) and estimate.fits(95)
+
+
+# -- one fit, without a jit ------------------------------------------------------------------
+
+class _FakeBackend:
+  platform, probe_scale, exact_probes = "cpu", 1.0, True
+
+  def __init__(self, capacity):
+    self._capacity, self.compiled = capacity, []
+
+  def devices(self):
+    return jax.devices()
+
+  def capacity(self, args):
+    return self._capacity
+
+  def where(self):
+    return "fake"
+
+  def runnable(self, plan):
+    return plan
+
+  def compile(self, plan, key, args, kwargs, *, probe=False):
+    self.compiled.append((plan, probe))
+    return _fake_compile(self._capacity, [])(plan)
+
+  def step_facts(self, args, trial):
+    return _facts()
+
+
+def test_one_fit_owns_its_planner_and_reports_typed_errors(tmp_path):
+  opts = options_lib.GuardOptions(state_argnums=0, max_class="numerics",
+                                  report_dir=str(tmp_path))
+  step = steps_lib.StepBuilder(lambda w, x: (w, x.sum()), opts)
+  args = (jnp.ones(4), jnp.ones((8, 4)))
+  ledger = fit_lib.Ledger("fake", opts, "fake")
+  ok = fit_lib.Fit(step, _FakeBackend(60 * MiB), opts, None, ledger, "k", args, {})
+  result = ok.run(hbm_guard.Plan())
+  assert result.status is climb_lib.Status.FITS and _need(result.plan) <= 60 * MiB
+  none = fit_lib.Fit(step, _FakeBackend(1 * MiB), dataclasses.replace(opts, max_class="exact"),
+                     None, ledger, "k", args, {})
+  with pytest.raises(hbm_guard.LadderExhaustedError, match="no plan fits <lambda> in 1.00 MiB") as e:
+    none.run(hbm_guard.Plan())
+  assert e.value.report_path and e.value.attempts
+
+
+# -- the backends ----------------------------------------------------------------------------
+
+def _step(w, x):
+  return w - 0.1 * jax.grad(lambda w: jnp.tanh(x @ w).sum())(w), x.sum()
+
+
+def _backend(**options):
+  opts = options_lib.GuardOptions(state_argnums=0, **options)
+  return backend_lib.make(steps_lib.StepBuilder(_step, opts), opts)
+
+
+def test_the_local_backend_compiles_here_and_holds_peaks_against_the_capacity():
+  w, x = jnp.ones((256, 256)), jnp.ones((64, 256))
+  local = _backend()
+  assert isinstance(local, backend_lib.LocalBackend) and local.exact_probes
+  key = local.step.key((w, x), {})
+  fits = local.compile(hbm_guard.Plan(), key, (w, x), {})
+  assert fits.outcome is Outcome.FITS and fits.memory["peak"] > 0
+  tight = _backend(capacity=fits.memory["peak"] - 1)
+  oom = tight.compile(hbm_guard.Plan(), key, (w, x), {})
+  assert oom.outcome is Outcome.OOM and oom.record.kind == record_lib.BUDGET
+  assert local.where().startswith(jax.default_backend() + ":")
+  flagged = hbm_guard.Plan(compiler_options=(("xla_tpu_pre_fusion_remat", True),))
+  assert local.runnable(flagged).compiler_options == ()  # TPU flags only on a TPU
+
+
+@pytest.mark.real_compiler
+def test_the_target_backend_compiles_for_the_tpu_and_probes_cheaply(v5e_devices):
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+  target = _backend(target="v5e:1x1")
+  assert isinstance(target, backend_lib.TargetBackend) and not target.exact_probes
+  assert target.where() == "target:v5e:1x1" and target.platform == "tpu"
+  key = target.step.key((w, x), {})
+  need = backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  assert need and need > 4 * MiB  # the weights alone are 4 MiB
+  assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
