@@ -195,6 +195,30 @@ def test_links_fifos_devices_and_huge_files_are_not_read(tmp_path):
   assert cache.get(key) is None
 
 
+def test_damaged_plan_files_are_clear_errors_never_crashes(tmp_path):
+  valid = {"schema": PC.SCHEMA, "status": "fits", "plan": hbm_guard.Plan().to_dict()}
+  path = tmp_path / "plan.json"
+  for text in _damaged_entries(valid):
+    data = None
+    try:
+      data = json.loads(text)
+    except (ValueError, RecursionError):
+      pass
+    for content in ([text] + ([json.dumps(data["plan"])] if isinstance(data, dict)
+                              and "plan" in data and len(text) < 10_000 else [])):
+      path.write_text(content, encoding="utf-8", errors="surrogateescape")
+      t0 = time.perf_counter()
+      try:
+        hbm_guard.guarded_jit(sgd_step, state_argnums=0, plan=str(path))
+      except ValueError:  # InvalidPlanError, UntrustedPlanError, InvalidOptionError
+        pass
+      assert time.perf_counter() - t0 < 5, content[:80]
+  os.remove(path)
+  os.symlink("/dev/zero", path)
+  with pytest.raises(hbm_guard.InvalidPlanError, match="cannot open|not a regular"):
+    hbm_guard.guarded_jit(sgd_step, plan=str(path))
+
+
 # -- 3. the report page escapes what it shows --------------------------------------------
 
 _EVIL = "<script>alert(1)</script><img src=x onerror=alert(2)>"
