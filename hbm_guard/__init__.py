@@ -14,6 +14,7 @@ from hbm_guard._src.errors import InvalidLadderError
 from hbm_guard._src.errors import InvalidOptionError
 from hbm_guard._src.errors import InvalidPlanError
 from hbm_guard._src.errors import UntrustedPlanError
+from hbm_guard._src.errors import FitTimeBudgetError
 from hbm_guard._src.errors import LadderExhaustedError
 from hbm_guard._src.errors import UnevenMicrobatchError
 from hbm_guard._src.errors import StateConsumedError
@@ -62,6 +63,7 @@ __all__ = (
     "InvalidLadderError",
     "InvalidOptionError",
     "InvalidPlanError",
+    "FitTimeBudgetError",
     "LadderExhaustedError",
     "UnevenMicrobatchError",
     "StateConsumedError",

@@ -44,10 +44,18 @@ HEADROOM = flags.DEFINE_float(
     "Fraction of the capacity a predicted figure must stay under; the compiler's exact "
     "figure is held against the capacity itself.", lower_bound=0.5, upper_bound=1.0)
 
+MAX_FIT_SECONDS = flags.DEFINE_float(
+    "hbm_guard_max_fit_seconds", None,
+    "Time budget of one fit, in seconds: no compile or probe starts that the budget cannot "
+    "pay for (by what earlier ones cost); the fit then stops and says so.", lower_bound=1.0)
+PROGRESS = flags.DEFINE_bool(
+    "hbm_guard_progress", True,
+    "Once a step does not fit, print a line to stderr for each compile and probe.")
+
 _HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempts": MAX_ATTEMPTS,
             "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
             "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
-            "headroom": HEADROOM}
+            "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS}
 
 
 def guard_options(defaults: dict | None = None) -> dict:

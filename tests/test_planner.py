@@ -32,3 +32,44 @@ def test_an_unprobed_plan_does_not_calibrate():
   planner = _planner({1: 90 * MiB})
   planner.observe(hbm_guard.Plan(microbatches=1), real_bytes=300 * MiB, fits=False)
   assert planner.scale == planner_lib.PROBE_SCALE
+
+
+class _Clock:
+  """A fake clock: each probe takes `per_probe` seconds."""
+
+  def __init__(self, per_probe):
+    self.now, self.per_probe = 0.0, per_probe
+
+  def __call__(self):
+    self.now += self.per_probe / 2  # read twice per probe
+    return self.now
+
+
+def _lm_like(plan):  # need(k) = 6 GiB + 58 GiB / k, as measured at 368M parameters (#17)
+  return int((6 + 58 / plan.microbatches) * 2**30)
+
+
+def _dear_planner(per_probe, probes):
+  def probe(plan):
+    probes.append(plan.microbatches)
+    return _lm_like(plan)
+  p = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30), scale=1.0,
+                          clock=_Clock(per_probe))
+  p.observe(hbm_guard.Plan(), real_bytes=_lm_like(hbm_guard.Plan()), fits=False, seconds=60.0)
+  return p
+
+
+def test_dear_probes_predict_the_count_from_two_figures():
+  probes = []
+  planner = _dear_planner(per_probe=120.0, probes=probes)  # probes as dear as compiles
+  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  assert choice.plan.microbatches == 8  # 6 + 58/8 = 13.25 GiB <= 0.95 x 15.75
+  assert probes == [16, 1] and planner.probes_are_dear  # the model, not a bisection
+
+
+def test_cheap_probes_still_bisect():
+  probes = []
+  planner = _dear_planner(per_probe=2.0, probes=probes)
+  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  assert choice.plan.microbatches == 8 and not planner.probes_are_dear
+  assert probes[0] == 16 and len(probes) >= 3 and 8 in probes  # confirmed by a probe

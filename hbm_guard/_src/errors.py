@@ -82,6 +82,25 @@ class LadderExhaustedError(_OutOfMemory):
         + _where(report_path), report_path=report_path)
 
 
+class FitTimeBudgetError(LadderExhaustedError):
+  """The fit stopped at its time budget (`max_fit_seconds`) before a plan was found.
+
+  No compile or probe is started that the budget cannot pay for, judged by what the fit's
+  earlier compiles and probes cost. Nothing is remembered as exhausted: raise the budget,
+  or start from the closest plan (`plan=`), and the next fit goes on from there.
+  """
+
+  @classmethod
+  def spent(cls, *, name: str, budget: float, elapsed: float, compiles: int, probes: int,
+            next_cost: float, closest: str, report_path: str | None,
+            attempts: Sequence[Any]) -> "FitTimeBudgetError":
+    return cls(f"hbm_guard: the fit of {name} stopped at its time budget: {elapsed:.0f} s of "
+               f"max_fit_seconds={budget:g} spent on {compiles} compile(s) and {probes} "
+               f"probe(s); the next would take about {next_cost:.0f} s. Closest plan: "
+               f"{closest}. Raise max_fit_seconds (--hbm_guard_max_fit_seconds) to go on. "
+               + _where(report_path), report_path=report_path, attempts=attempts)
+
+
 class CapacityExceededError(_OutOfMemory):
   """The step exceeds `capacity=` and automatic fallback is off.
 

@@ -17,6 +17,7 @@ import jax
 from absl import logging
 
 from hbm_guard._src import backend as backend_lib
+from hbm_guard._src import budget as budget_lib
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
@@ -98,6 +99,32 @@ def cache_parts(step: steps_lib.StepBuilder, backend, options: options_lib.Guard
   return json.loads(json.dumps(parts, default=repr))  # as it reads back from the file
 
 
+def trusted_entry(options: options_lib.GuardOptions, entry: plan_cache_lib.Entry,
+                  nargs: int) -> plan_cache_lib.Entry:
+  """A cache entry as this guard may use it: its plans within the options, an exhaustion
+  young enough to believe; a ValueError (a miss) otherwise."""
+  source = "the plan cache entry"
+  plan = options.trusted(entry.plan, nargs=nargs, source=source)
+  if entry.status != Status.EXHAUSTED:
+    return dataclasses.replace(entry, plan=plan, attempts=())
+  age = entry.age_seconds()
+  if age is None or not -300 <= age <= plan_cache_lib.EXHAUSTED_MAX_AGE_S:
+    raise ValueError("an exhaustion of unknown age, or older than "
+                     f"{plan_cache_lib.EXHAUSTED_MAX_AGE_S / 86400:.0f} days, is not believed")
+  attempts = []
+  for i, a in enumerate(entry.attempts[:options.max_attempts], start=1):
+    tried = options.trusted(plan_lib.Plan.from_dict(a.get("plan")), nargs=nargs,
+                            source=source)
+    if a.get("outcome") != compile_lib.Outcome.OOM:
+      raise ValueError("an exhaustion whose attempts did not all fail")
+    attempts.append({"number": i, "plan": tried.to_dict(), "described": tried.describe(),
+                     "outcome": compile_lib.Outcome.OOM.value, "seconds": 0.0,
+                     "signature": "", "skipped": []})
+  if not attempts:
+    raise ValueError("an exhaustion with no attempts")
+  return dataclasses.replace(entry, plan=plan, attempts=tuple(attempts))
+
+
 class Fit:
   """One fit of the input signature `key` (the guard serialises fits)."""
 
@@ -107,6 +134,11 @@ class Fit:
     self.ledger, self.key, self.args, self.kwargs = ledger, key, args, kwargs
     self._planner: planner_lib.Planner | None = None
     self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
+    self.budget = budget_lib.Budget(options.max_fit_seconds)
+    self.progress = budget_lib.Progress(step.name, self.budget, enabled=options.progress
+                                        and jax.process_index() == 0)
+    self._out_of_time: budget_lib.OutOfTime | None = None
+    self._first = len(ledger.attempts)
 
   # -- the fit ---------------------------------------------------------------------------
 
@@ -125,17 +157,22 @@ class Fit:
     def try_plan(p):
       if failed_run is not None and p == failed_run.plan:
         return failed_run
-      return self.backend.compile(p, self.key, self.args, self.kwargs)
+      return self._compile(p)
 
     o = self.options
-    result = climb_lib.climb(
-        try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
-        auto_fallback=o.auto_fallback,
-        step_facts=lambda t: self.backend.step_facts(self.args, t),
-        first_number=len(self.ledger.attempts) + 1,
-        signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
-        on_attempt=self.ledger.record,
-        plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
+    try:
+      result = climb_lib.climb(
+          try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
+          auto_fallback=o.auto_fallback,
+          step_facts=lambda t: self.backend.step_facts(self.args, t),
+          first_number=len(self.ledger.attempts) + 1,
+          signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
+          on_attempt=self.ledger.record,
+          plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
+    except budget_lib.OutOfTime as e:  # a compile the budget could not pay for
+      self._out_of_time = e
+    if self._out_of_time is not None:
+      self._stop_for_time()  # nothing fit in time: not remembered as exhausted
     if cache_key is not None:
       self.cache.put(cache_key, plan_cache_lib.Entry(
           status=Status.FITS if result.status is climb_lib.Status.FITS else Status.EXHAUSTED,
@@ -146,7 +183,8 @@ class Fit:
     return result
 
   def _from_cache(self, cache_key: str, parts: dict, start: plan_lib.Plan) -> plan_lib.Plan:
-    cached = self.cache.get(cache_key, self._trusted)
+    cached = self.cache.get(cache_key,
+                            lambda e: trusted_entry(self.options, e, len(self.args)))
     if cached is None:
       return start
     if cached.status == Status.EXHAUSTED:
@@ -156,30 +194,6 @@ class Fit:
     logging.info("hbm_guard: %s starts from the cached plan %s (%s)", self.step.name,
                  cached.plan.describe(), self.cache.path(cache_key))
     return cached.plan
-
-  def _trusted(self, entry: plan_cache_lib.Entry) -> plan_cache_lib.Entry:
-    """A cache entry as this guard may use it: its plans within the options, an
-    exhaustion young enough to believe; a ValueError (a miss) otherwise."""
-    nargs, source = len(self.args), "the plan cache entry"
-    plan = self.options.trusted(entry.plan, nargs=nargs, source=source)
-    if entry.status != Status.EXHAUSTED:
-      return dataclasses.replace(entry, plan=plan, attempts=())
-    age = entry.age_seconds()
-    if age is None or not -300 <= age <= plan_cache_lib.EXHAUSTED_MAX_AGE_S:
-      raise ValueError("an exhaustion of unknown age, or older than "
-                       f"{plan_cache_lib.EXHAUSTED_MAX_AGE_S / 86400:.0f} days, is not believed")
-    attempts = []
-    for i, a in enumerate(entry.attempts[:self.options.max_attempts], start=1):
-      tried = self.options.trusted(plan_lib.Plan.from_dict(a.get("plan")), nargs=nargs,
-                                   source=source)
-      if a.get("outcome") != compile_lib.Outcome.OOM:
-        raise ValueError("an exhaustion whose attempts did not all fail")
-      attempts.append({"number": i, "plan": tried.to_dict(), "described": tried.describe(),
-                       "outcome": compile_lib.Outcome.OOM.value, "seconds": 0.0,
-                       "signature": "", "skipped": []})
-    if not attempts:
-      raise ValueError("an exhaustion with no attempts")
-    return dataclasses.replace(entry, plan=plan, attempts=tuple(attempts))
 
   def _exhausted_from_cache(self, cache_key: str, parts: dict, cached) -> None:
     """A retry after exhaustion does not climb again: same program, same answer. Unless
@@ -193,6 +207,43 @@ class Fit:
         last=cached.plan.describe(), cache_dir=self.cache.directory,
         report_path=self.ledger.path)
 
+  # -- spending ----------------------------------------------------------------------------
+
+  def _compile(self, plan: plan_lib.Plan) -> compile_lib.Trial:
+    self.budget.check(budget_lib.Spend.COMPILE)
+    trial = self.backend.compile(plan, self.key, self.args, self.kwargs)
+    self.budget.record(budget_lib.Spend.COMPILE, trial.seconds)
+    rec = trial.record
+    self.progress.compiled(
+        plan.describe(), trial.outcome is compile_lib.Outcome.FITS,
+        rec.required_bytes if rec else (trial.memory or {}).get("peak"),
+        rec.available_bytes if rec else self.backend.capacity(self.args), trial.seconds)
+    return trial
+
+  def _probe(self, plan: plan_lib.Plan) -> int | None:
+    self.budget.check(budget_lib.Spend.PROBE)
+    t0 = time.perf_counter()
+    need = backend_lib.probe(self.backend, plan, self.key, self.args, self.kwargs)
+    seconds = time.perf_counter() - t0
+    self.budget.record(budget_lib.Spend.PROBE, seconds)
+    self.progress.probed(plan.describe(), need, seconds)
+    return need
+
+  def _stop_for_time(self):
+    attempts = self.ledger.attempts[self._first:]
+    failed = [a for a in attempts if a.record is not None and a.record.required_bytes]
+    closest = min(failed, key=lambda a: a.record.required_bytes).plan if failed else None
+    e, b = self._out_of_time, self.budget
+    self.progress.stopped(f"stopped: the time budget cannot pay for the next {e.kind} "
+                          f"(about {e.estimate:.0f} s)")
+    written = self.ledger.write(Status.EXHAUSTED, note=(
+        f"stopped at the time budget max_fit_seconds={b.limit:g} after {b.elapsed:.0f} s"))
+    raise errors.FitTimeBudgetError.spent(
+        name=self.step.name, budget=b.limit, elapsed=b.elapsed,
+        compiles=b.count(budget_lib.Spend.COMPILE), probes=b.count(budget_lib.Spend.PROBE),
+        next_cost=e.estimate, closest=closest.describe() if closest else "none compiled",
+        report_path=self.ledger.path if written else None, attempts=attempts)
+
   # -- planning ----------------------------------------------------------------------------
 
   def _plan_next(self, plan: plan_lib.Plan, trial: compile_lib.Trial,
@@ -204,13 +255,18 @@ class Fit:
       if not capacity:
         return ladder_lib.next_plan(o.ladder, plan, facts, rec, o.max_class) + (None,)
       self._planner = planner_lib.Planner(
-          lambda p: backend_lib.probe(self.backend, p, self.key, self.args, self.kwargs),
-          lambda p: self.step.flops(p, self.args, self.kwargs), capacity,
+          self._probe, lambda p: self.step.flops(p, self.args, self.kwargs), capacity,
           scale=self.backend.probe_scale, exact=self.backend.exact_probes,
           headroom=o.headroom)
     self._last = (plan, facts)
-    self._planner.observe(plan, rec.required_bytes, fits=False)
-    return planner_lib.next_plan(self._planner, o.ladder, plan, facts, rec, o.max_class)
+    self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
+    try:
+      return planner_lib.next_plan(self._planner, o.ladder, plan, facts, rec, o.max_class)
+    except budget_lib.OutOfTime as e:  # a probe the budget could not pay for: stop here
+      self._out_of_time = e
+      return None, [], planner_lib.Planning(
+          None, f"stopped: the time budget cannot pay for the next {e.kind}",
+          scale=self._planner.scale)
 
   def _above_class(self) -> AboveClass | None:
     """When nothing allowed fits: would a plan of a higher class? Priced by probes."""
@@ -238,7 +294,10 @@ class Fit:
           name=name, need=rec.required_bytes, capacity=rec.available_bytes,
           scenario=diag.scenario, summary=diag.summary,
           report_path=self.ledger.path if written else None, attempts=attempts)
-    above = self._above_class()
+    try:
+      above = self._above_class()
+    except budget_lib.OutOfTime:
+      above = None  # no time left to price a higher class
     written = self.ledger.write(Status.EXHAUSTED, above=above)
     raise errors.LadderExhaustedError.nothing_fits(
         name=name, capacity=rec.available_bytes, attempts=attempts, need=rec.required_bytes,

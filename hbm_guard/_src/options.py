@@ -133,6 +133,8 @@ class GuardOptions:
   search: str = Search.PROBES.value
   headroom: float = ladder_lib.HEADROOM
   plan_cache_retry_exhausted: bool = False
+  max_fit_seconds: float | None = None  # a fit starts no compile or probe it cannot finish
+  progress: bool = True  # a line on stderr per compile and probe once a step did not fit
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -161,6 +163,13 @@ class GuardOptions:
         or not 0.5 <= float(self.headroom) <= 1.0):
       raise _bad("headroom", "a fraction of the capacity from 0.5 to 1.0", self.headroom)
     put("headroom", float(self.headroom))
+    if self.max_fit_seconds is not None:
+      if (not isinstance(self.max_fit_seconds, numbers.Real)
+          or isinstance(self.max_fit_seconds, bool) or not self.max_fit_seconds > 0):
+        raise _bad("max_fit_seconds", "None or a positive number of seconds",
+                   self.max_fit_seconds)
+      put("max_fit_seconds", float(self.max_fit_seconds))
+    put("progress", _strict_bool("progress", self.progress))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))
     plan = read_plan(self.plan)
     if plan is not None:

@@ -28,6 +28,11 @@ FLOPS_PER_HOST_BYTE = 4000.0  # host link vs compute on a TPU: ~25 GB/s against 
 MICROBATCH_OVERHEAD = 0.01  # per extra microbatch: a sequential loop, weights read again
 MAX_MICROBATCHES = 256
 PROBE_SCALE = 1.3  # before any real compile: libtpu's early figure ran 0.67-0.95 of the real need
+# At real sizes libtpu's early check comes after the HLO passes, so a probe costs about what a
+# compile does (95-336 s against 44-110 s for a 368M-parameter LM on v5e:1x1). Probes this
+# dear are spent sparingly: two figures per family predict the count (need ~ F + P / k).
+DEAR_PROBE_RATIO = 0.5  # a probe costing this much of a compile, or more, is dear
+DEAR_PROBE_MIN_SECONDS = 20.0  # below this, probing is cheap whatever a compile costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +76,12 @@ class Planner:
 
   def __init__(self, probe: Callable[[plan_lib.Plan], int | None],
                flops: Callable[[plan_lib.Plan], float | None], capacity: int,
-               scale: float = 1.0, *, exact: bool = False, headroom: float = HEADROOM):
+               scale: float = 1.0, *, exact: bool = False, headroom: float = HEADROOM,
+               clock: Callable[[], float] = time.perf_counter):
     self._probe, self._flops, self._capacity = probe, flops, capacity
+    self._clock = clock
+    self.compile_seconds: list[float] = []  # of the real compiles this planner observed
+    self._predicted: dict[plan_lib.Plan, int] = {}  # modelled needs, in probe units
     # exact: a probe is a full compile whose peak is the very figure held against the
     # capacity (capacity= off a TPU target); the headroom is for estimates only.
     self.exact, self.headroom = exact, headroom
@@ -89,16 +98,19 @@ class Planner:
   def need(self, plan: plan_lib.Plan) -> int | None:
     plan = _key(plan)
     if plan not in self._need:
-      t0 = time.perf_counter()
+      t0 = self._clock()
       need = self._probe(plan)
-      self.probes.append(Probe(plan, need, time.perf_counter() - t0))
-      logging.info("hbm_guard: probe %s: %s bytes (%.1f s)", plan.describe(), need,
-                   time.perf_counter() - t0)
+      seconds = self._clock() - t0
+      self.probes.append(Probe(plan, need, seconds))
+      logging.info("hbm_guard: probe %s: %s bytes (%.1f s)", plan.describe(), need, seconds)
       self._need[plan] = need
     return self._need[plan]
 
-  def observe(self, plan: plan_lib.Plan, real_bytes: int | None, fits: bool):
+  def observe(self, plan: plan_lib.Plan, real_bytes: int | None, fits: bool,
+              seconds: float | None = None):
     """A real compile's figure: recalibrates the scale from probe to real."""
+    if seconds:
+      self.compile_seconds.append(seconds)
     if not fits:
       self.failed.add(_key(plan))
     probe = self._need.get(_key(plan))
@@ -129,14 +141,55 @@ class Planner:
       return need <= self._capacity
     return need * self.scale <= self.headroom * self._capacity
 
+  @property
+  def probes_are_dear(self) -> bool:
+    """Whether a probe costs about what a compile does (then two per family must do)."""
+    if not self.probes or not self.compile_seconds:
+      return False
+    mean = sum(p.seconds for p in self.probes) / len(self.probes)
+    return mean >= max(DEAR_PROBE_MIN_SECONDS, DEAR_PROBE_RATIO * max(self.compile_seconds))
+
+  def figure(self, plan: plan_lib.Plan) -> int | None:
+    """A plan's need in probe units: measured if it was, else modelled, else probed."""
+    plan = _key(plan)
+    if plan in self._need:
+      return self._need[plan]
+    if plan in self._predicted:
+      return self._predicted[plan]
+    return self.need(plan)
+
   # -- the choice -----------------------------------------------------------------------
 
+  def _modelled_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
+    """The fewest microbatches predicted to fit from need(k) ~ F + P / k, fitted to the
+    family's two extreme counts: two probes, where bisection would make three or four."""
+    at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
+    for k in (counts[-1], counts[0]):
+      self.need(at(k))
+    points = sorted((p.microbatches, n) for p, n in self._need.items()
+                    if n is not None and _key(dataclasses.replace(p, microbatches=1))
+                    == _key(family))
+    (k0, n0), (k1, n1) = points[0], points[-1]
+    per = (n0 - n1) / (1 / k0 - 1 / k1) if k0 != k1 else 0.0
+    fixed = n0 - per / k0
+    for k in counts:
+      plan = _key(at(k))
+      need = self._need.get(plan)
+      need = need if need is not None else int(fixed + max(per, 0.0) / k)
+      if plan not in self.failed and need * self.scale <= self.headroom * self._capacity:
+        self._predicted.setdefault(plan, need)
+        return k
+    return None
+
   def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
-    """The fewest microbatches predicted to fit in this family, by bisection."""
+    """The fewest microbatches predicted to fit in this family, by bisection (by the
+    two-point model when probes are dear)."""
     lo, hi = 0, len(counts) - 1
     top = dataclasses.replace(family, microbatches=counts[hi])
     if _key(top) in self.failed or not self.fits(self.need(top)):
       return None
+    if self.probes_are_dear and len(counts) > 1:
+      return self._modelled_count(family, counts)
     while lo < hi:
       mid = (lo + hi) // 2
       plan = dataclasses.replace(family, microbatches=counts[mid])
@@ -160,7 +213,7 @@ class Planner:
       plan = dataclasses.replace(family, microbatches=k)
       cost = self.cost(plan, offload_bytes)
       if best is None or cost < best.cost:
-        need = self.need(plan)
+        need = self.figure(plan)
         best = Choice(plan, int(need * self.scale), cost,
                       (f"cheapest that fits: compiled at {need} bytes <= {self._capacity}; "
                        if self.exact else

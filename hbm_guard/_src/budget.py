@@ -1,0 +1,94 @@
+"""What a fit spends, in seconds, against its budget, and the progress a person sees.
+
+Compile seconds, not compile counts, are what a user waits for. A fit starts no compile or
+probe that its budget (`max_fit_seconds`) cannot pay for, judged by the dearest one of the
+same kind so far (a first probe by the first compile: at real size they cost alike). Once a
+step has not fit, each compile and probe is a line on stderr, without configuring absl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+import time
+from typing import TextIO
+
+from hbm_guard._src import diagnose as diagnose_lib
+
+
+class Spend(enum.StrEnum):
+  COMPILE = "compile"
+  PROBE = "probe"
+
+
+class OutOfTime(Exception):
+  """Raised inside a fit when the next compile or probe would overrun the budget."""
+
+  def __init__(self, kind: Spend, estimate: float):
+    super().__init__(f"hbm_guard: no time left for a {kind}")
+    self.kind, self.estimate = kind, estimate
+
+
+@dataclasses.dataclass
+class Budget:
+  """The seconds one fit has spent, by kind, against an optional limit."""
+  limit: float | None = None
+  started: float = dataclasses.field(default_factory=time.perf_counter)
+  spent: dict[Spend, list[float]] = dataclasses.field(
+      default_factory=lambda: {Spend.COMPILE: [], Spend.PROBE: []})
+
+  @property
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.started
+
+  def estimate(self, kind: Spend) -> float:
+    """What the next of `kind` should cost: the dearest so far (a probe: like a compile)."""
+    same = self.spent[kind] or (self.spent[Spend.COMPILE] if kind is Spend.PROBE else [])
+    return max(same, default=0.0)
+
+  def check(self, kind: Spend) -> None:
+    """Raises OutOfTime if the next `kind` cannot finish within the limit."""
+    if self.limit is None or not any(self.spent.values()):
+      return  # the first compile is the one any job makes: never refused
+    estimate = self.estimate(kind)
+    if self.elapsed + estimate > self.limit:
+      raise OutOfTime(kind, estimate)
+
+  def record(self, kind: Spend, seconds: float) -> None:
+    self.spent[kind].append(seconds)
+
+  def count(self, kind: Spend) -> int:
+    return len(self.spent[kind])
+
+
+class Progress:
+  """One line per compile and probe on stderr, once the step has not fit (process 0)."""
+
+  def __init__(self, name: str, budget: Budget, *, enabled: bool, stream: TextIO | None = None):
+    self.name, self.budget, self.enabled = name, budget, enabled
+    self._stream = stream
+    self._active = False
+
+  def _say(self, text: str) -> None:
+    if not (self.enabled and self._active):
+      return
+    limit = f" of {self.budget.limit:.0f}" if self.budget.limit is not None else ""
+    stream = self._stream or sys.stderr
+    print(f"hbm_guard: {self.name}: {text} [{self.budget.elapsed:.0f}{limit} s; "
+          f"{self.budget.count(Spend.COMPILE)} compile(s), "
+          f"{self.budget.count(Spend.PROBE)} probe(s)]", file=stream, flush=True)
+
+  def compiled(self, described: str, fits: bool, need: int | None, capacity: int | None,
+               seconds: float) -> None:
+    if not fits:
+      self._active = True
+    of = f" of {diagnose_lib.format_bytes(capacity)}" if capacity else ""
+    self._say(f"compile {described}: {'fits' if fits else 'does not fit'}, needs "
+              f"{diagnose_lib.format_bytes(need)}{of} ({seconds:.1f} s)")
+
+  def probed(self, described: str, need: int | None, seconds: float) -> None:
+    self._say(f"probe {described}: needs {diagnose_lib.format_bytes(need)} ({seconds:.1f} s)")
+
+  def stopped(self, why: str) -> None:
+    self._say(why)

@@ -1,0 +1,65 @@
+"""Issue #17, in part: a fit is priced in seconds, never runs past `max_fit_seconds`, and
+says what it is doing on stderr once a step does not fit."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hbm_guard
+from hbm_guard._src import budget as budget_lib
+from hbm_guard._src import compile as C
+
+
+def sgd_step(w, x):
+  g = jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+  return w - 0.1 * g, g.sum()
+
+
+W = jnp.full((512, 512), 0.01)
+X = jnp.ones((64, 512))
+
+
+def _donated_peak():
+  return C.memory_of(jax.jit(sgd_step, donate_argnums=0).lower(W, X).compile())["peak"]
+
+
+def test_the_budget_refuses_what_it_cannot_pay_for_but_never_the_first_compile():
+  b = budget_lib.Budget(limit=10.0)
+  b.check(budget_lib.Spend.COMPILE)  # nothing spent yet: the first compile is allowed
+  b.record(budget_lib.Spend.COMPILE, 30.0)  # it took 30 s (the limit is already passed)
+  with pytest.raises(budget_lib.OutOfTime) as e:
+    b.check(budget_lib.Spend.PROBE)  # a first probe costs like a compile
+  assert e.value.kind is budget_lib.Spend.PROBE and e.value.estimate == 30.0
+  assert budget_lib.Budget(limit=None).estimate(budget_lib.Spend.PROBE) == 0.0
+
+
+def test_a_fit_stops_at_its_time_budget_says_so_and_remembers_nothing(tmp_path):
+  cache = tmp_path / "cache"
+  g = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak(),
+                            max_fit_seconds=1e-3, plan_cache=str(cache),
+                            report_dir=str(tmp_path / "r"))
+  with pytest.raises(hbm_guard.FitTimeBudgetError, match="max_fit_seconds") as e:
+    g(jnp.array(W), X)
+  assert isinstance(e.value, hbm_guard.LadderExhaustedError)
+  assert len(g.attempts) == 1 and e.value.report_path  # the first compile, then no more
+  assert not list(cache.glob("*.json"))  # a budget stop is not "nothing fits"
+  again = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak(),
+                                plan_cache=str(cache), report_dir=str(tmp_path / "r"))
+  again(jnp.array(W), X)
+  assert [a.outcome for a in again.attempts] == ["oom", "fits"]
+
+
+def test_progress_is_on_stderr_once_a_step_does_not_fit(tmp_path, capsys):
+  hbm_guard.guarded_jit(sgd_step, state_argnums=0, report_dir=str(tmp_path))(jnp.array(W), X)
+  assert capsys.readouterr().err == ""  # a step that fits says nothing
+  g = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak(),
+                            max_fit_seconds=600, report_dir=str(tmp_path))
+  g(jnp.array(W), X)
+  err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hbm_guard")]
+  assert err[0].startswith("hbm_guard: sgd_step: compile plain jit: does not fit, needs")
+  assert any(" probe donate" in line for line in err)
+  assert "compile donate: fits" in err[-1] and "of 600 s" in err[-1]
+  quiet = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak(),
+                                progress=False, report_dir=str(tmp_path))
+  quiet(jnp.array(W), X)
+  assert "hbm_guard" not in capsys.readouterr().err
