@@ -55,7 +55,8 @@ def _dear_planner(per_probe, probes):
     return _lm_like(plan)
   p = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30), scale=1.0,
                           clock=_Clock(per_probe))
-  p.observe(hbm_guard.Plan(), real_bytes=_lm_like(hbm_guard.Plan()), fits=False, seconds=60.0)
+  p.observe(hbm_guard.Plan(), real_bytes=_lm_like(hbm_guard.Plan()), fits=False,
+            seconds=5.0 if per_probe < 10 else 60.0)
   return p
 
 
@@ -64,7 +65,24 @@ def test_dear_probes_predict_the_count_from_two_figures():
   planner = _dear_planner(per_probe=120.0, probes=probes)  # probes as dear as compiles
   choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 8  # 6 + 58/8 = 13.25 GiB <= 0.95 x 15.75
-  assert probes == [16, 1] and planner.probes_are_dear  # the model, not a bisection
+  # One probe: the failed compile's own figure is the other point of need(k) = F + P / k.
+  assert probes == [16] and planner.probes_are_dear
+
+
+def test_dear_probes_without_a_real_figure_probe_both_ends():
+  probes = []
+  planner = _dear_planner(per_probe=120.0, probes=probes)
+  planner._real.clear()  # pylint: disable=protected-access  (as if the failure had no figure)
+  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  assert choice.plan.microbatches == 8 and probes == [16, 1]
+
+
+def test_a_slow_failed_compile_makes_probes_dear_before_any_probe():
+  planner = planner_lib.Planner(lambda p: 1, lambda p: 1.0, capacity=100)
+  planner.observe(hbm_guard.Plan(), real_bytes=200, fits=False, seconds=2.0)
+  assert not planner.probes_are_dear
+  planner.observe(hbm_guard.Plan(microbatches=2), real_bytes=150, fits=False, seconds=17.0)
+  assert planner.probes_are_dear
 
 
 def test_cheap_probes_still_bisect():

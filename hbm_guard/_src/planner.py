@@ -33,6 +33,7 @@ PROBE_SCALE = 1.3  # before any real compile: libtpu's early figure ran 0.67-0.9
 # dear are spent sparingly: two figures per family predict the count (need ~ F + P / k).
 DEAR_PROBE_RATIO = 0.5  # a probe costing this much of a compile, or more, is dear
 DEAR_PROBE_MIN_SECONDS = 20.0  # below this, probing is cheap whatever a compile costs
+DEAR_COMPILE_SECONDS = 10.0  # a failed compile this slow: its probes will be dear too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Planner:
     self._clock = clock
     self.compile_seconds: list[float] = []  # of the real compiles this planner observed
     self._predicted: dict[plan_lib.Plan, int] = {}  # modelled needs, in probe units
+    self._real: dict[plan_lib.Plan, int] = {}  # real compiles' figures of failed plans
     # exact: a probe is a full compile whose peak is the very figure held against the
     # capacity (capacity= off a TPU target); the headroom is for estimates only.
     self.exact, self.headroom = exact, headroom
@@ -113,6 +115,8 @@ class Planner:
       self.compile_seconds.append(seconds)
     if not fits:
       self.failed.add(_key(plan))
+      if real_bytes:
+        self._real[_key(plan)] = real_bytes
     probe = self._need.get(_key(plan))
     if real_bytes and probe and not (fits and real_bytes / probe < 1.0):
       # A fit's ratio below 1 says nothing about how low probes run: keep it out.
@@ -143,9 +147,12 @@ class Planner:
 
   @property
   def probes_are_dear(self) -> bool:
-    """Whether a probe costs about what a compile does (then two per family must do)."""
-    if not self.probes or not self.compile_seconds:
+    """Whether a probe costs about what a compile does (then one per family must do).
+    Before any probe, a failed compile this slow says its probes will be too."""
+    if not self.compile_seconds:
       return False
+    if not self.probes:
+      return max(self.compile_seconds) >= DEAR_COMPILE_SECONDS
     mean = sum(p.seconds for p in self.probes) / len(self.probes)
     return mean >= max(DEAR_PROBE_MIN_SECONDS, DEAR_PROBE_RATIO * max(self.compile_seconds))
 
@@ -161,23 +168,28 @@ class Planner:
   # -- the choice -----------------------------------------------------------------------
 
   def _modelled_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
-    """The fewest microbatches predicted to fit from need(k) ~ F + P / k, fitted to the
-    family's two extreme counts: two probes, where bisection would make three or four."""
+    """The fewest microbatches predicted to fit from need(k) ~ F + P / k through two
+    figures: the family's probe at the most microbatches, and a real compile's figure at
+    fewer (this family's latest failure, else the fit's first failed compile: a plan with
+    fewer rungs needs more, so the count predicted errs high). Confirmed by compiling it."""
     at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
-    for k in (counts[-1], counts[0]):
-      self.need(at(k))
-    points = sorted((p.microbatches, n) for p, n in self._need.items()
-                    if n is not None and _key(dataclasses.replace(p, microbatches=1))
-                    == _key(family))
-    (k0, n0), (k1, n1) = points[0], points[-1]
-    per = (n0 - n1) / (1 / k0 - 1 / k1) if k0 != k1 else 0.0
-    fixed = n0 - per / k0
+    k1 = counts[-1]
+    n1 = self.need(at(k1))
+    mine = [(p.microbatches, n) for p, n in self._real.items()
+            if _key(dataclasses.replace(p, microbatches=1)) == _key(family) and p.microbatches < k1]
+    anchors = sorted(mine) or [(p.microbatches, n) for p, n in self._real.items()
+                               if p.microbatches < k1][:1]
+    if not anchors:  # no real figure below the top: probe the fewest microbatches
+      anchors = [(counts[0], self.need(at(counts[0])))]
+    k0, n0 = anchors[-1]
+    scale = self.scale if self._ratios else 1.0  # probes against real: no prior to inflate
+    per = max(0.0, (n0 - n1 * scale) / (1 / k0 - 1 / k1))
+    fixed = n1 * scale - per / k1
     for k in counts:
       plan = _key(at(k))
-      need = self._need.get(plan)
-      need = need if need is not None else int(fixed + max(per, 0.0) / k)
-      if plan not in self.failed and need * self.scale <= self.headroom * self._capacity:
-        self._predicted.setdefault(plan, need)
+      predicted = int((fixed + per / k) / scale)  # in probe units, as the planner keeps them
+      if plan not in self.failed and k > k0 and predicted * scale <= self.headroom * self._capacity:
+        self._predicted[plan] = predicted
         return k
     return None
 

@@ -1,0 +1,162 @@
+"""Fit cost at a real size: a ~370M-parameter Flax LM on one v5e chip, abstract arguments.
+
+    .venv/bin/python -m benchmarks.bench_scale                  # 24 layers: ~30 min here
+    .venv/bin/python -m benchmarks.bench_scale --layers 4 --emb 512 --mlp 2048 --seq 512
+
+Prints, for the plan-aware step under `target="v5e:1x1"` at the chip's real capacity:
+compiles, probes, seconds of the fit, one compile of the plan it found (the same process,
+after the fit: a warm compile), the ratio fit / that compile, and batch halving on the
+plain step side by side (compiles, seconds, the batch it ends on). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+import hbm_guard
+from hbm_guard._src import compile as compile_lib
+from hbm_guard.integrations import flax as hg_flax
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  layers: int = 24
+  emb: int = 1024
+  mlp: int = 4096
+  heads: int = 16
+  seq: int = 1024
+  vocab: int = 32000
+  batch: int = 16
+
+
+class Block(nn.Module):
+  size: Size
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    s = self.size
+    h = nn.LayerNorm(dtype=self.dtype)(x)
+    h = nn.MultiHeadDotProductAttention(num_heads=s.heads, dtype=self.dtype)(
+        h, h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+    x = x + h
+    h = nn.LayerNorm(dtype=self.dtype)(x)
+    h = nn.Dense(s.emb, dtype=self.dtype)(nn.gelu(nn.Dense(s.mlp, dtype=self.dtype)(h)))
+    return x + h
+
+
+class LM(nn.Module):
+  size: Size
+
+  @nn.compact
+  def __call__(self, tokens):
+    s = self.size
+    dtype = hbm_guard.compute_dtype(jnp.float32)
+    x = nn.Embed(s.vocab, s.emb)(tokens).astype(dtype)
+    for _ in range(s.layers):
+      x = hg_flax.remat(Block)(s, dtype=dtype)(x)  # per-layer remat by plan
+    return nn.Dense(s.vocab, dtype=dtype)(nn.LayerNorm(dtype=dtype)(x)).astype(jnp.float32)
+
+
+def loss_fn(params, batch, apply_fn):
+  logits = apply_fn({"params": params}, batch["inputs"])
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  return jnp.mean(nll)
+
+
+def abstract_args(s: Size):
+  model = LM(s)
+  tokens = jax.ShapeDtypeStruct((s.batch, s.seq), jnp.int32)
+
+  def create():
+    params = model.init(jax.random.key(0), jnp.zeros((1, s.seq), jnp.int32))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adamw(1e-4))
+  state = jax.eval_shape(create)
+  n = sum(x.size for x in jax.tree.leaves(state.params))
+  return state, {"inputs": tokens, "targets": tokens}, n
+
+
+def fit(s: Size, target: str, max_fit_seconds: float | None):
+  state, batch, n = abstract_args(s)
+  step = hg_flax.train_step(loss_fn)
+  g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
+                            plan_cache=False, max_fit_seconds=max_fit_seconds,
+                            report_dir=tempfile.mkdtemp())
+  t0 = time.perf_counter()
+  plan, error = None, None
+  try:
+    plan = g.fit(state, batch)
+  except hbm_guard.HbmGuardError as e:
+    error = str(e).split(" (https://")[0]
+  seconds = time.perf_counter() - t0
+  probes = sum(len(a.planning.probes) for a in g.attempts if a.planning is not None)
+  probe_s = sum(p.seconds for a in g.attempts if a.planning for p in a.planning.probes)
+  row = {"params": n, "compiles": len(g.attempts), "probes": probes,
+         "probe_seconds": probe_s, "fit_seconds": seconds,
+         "plan": plan.describe() if plan else None, "error": error}
+  if plan is not None:  # one compile of the plan found, in the same process
+    again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
+                                  plan_cache=False, plan=plan, auto_fallback=False,
+                                  report_dir=tempfile.mkdtemp())
+    t1 = time.perf_counter()
+    again.fit(state, batch)
+    row["one_compile_seconds"] = time.perf_counter() - t1
+    row["ratio"] = seconds / row["one_compile_seconds"]
+    row["peak"] = (again.attempts[-1].memory or {}).get("peak")
+  return row
+
+
+def halving(s: Size, target: str):
+  """What people do today: halve the batch of the plain step until it compiles."""
+  b, compiles, t0 = s.batch, 0, time.perf_counter()
+  while b >= 1:
+    state, batch, _ = abstract_args(dataclasses.replace(s, batch=b))
+    g = hbm_guard.guarded_jit(hg_flax.train_step(loss_fn), target=target, plan_cache=False,
+                              auto_fallback=False, progress=False,
+                              report_dir=tempfile.mkdtemp())
+    compiles += 1
+    try:
+      g.fit(state, batch)
+      if g.attempts[-1].outcome is compile_lib.Outcome.FITS:
+        break
+    except (jax.errors.JaxRuntimeError, hbm_guard.HbmGuardError):
+      pass
+    b //= 2
+  return {"compiles": compiles, "seconds": time.perf_counter() - t0, "batch": b}
+
+
+def main():
+  p = argparse.ArgumentParser()
+  for f in dataclasses.fields(Size):
+    p.add_argument(f"--{f.name}", type=int, default=f.default)
+  p.add_argument("--target", default="v5e:1x1")
+  p.add_argument("--max-fit-seconds", type=float, default=None)
+  p.add_argument("--skip-halving", action="store_true")
+  a = p.parse_args()
+  s = Size(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Size)})
+  print(f"jax {jax.__version__}, {s}, target {a.target}", flush=True)
+  r = fit(s, a.target, a.max_fit_seconds)
+  print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles, "
+        f"{r['probes']} probes ({r['probe_seconds']:.0f} s); fit {r['fit_seconds']:.0f} s; "
+        f"plan {r['plan']}; {r.get('error') or ''}", flush=True)
+  if "ratio" in r:
+    print(f"one compile of that plan: {r['one_compile_seconds']:.0f} s; fit / compile = "
+          f"{r['ratio']:.2f}; peak {hbm_guard.format_bytes(r['peak'])}", flush=True)
+  if not a.skip_halving:
+    h = halving(s, a.target)
+    print(f"batch halving: {h['compiles']} compiles, {h['seconds']:.0f} s, ends at batch "
+          f"{h['batch']} of {s.batch}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
