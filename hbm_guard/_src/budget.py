@@ -83,9 +83,13 @@ class Progress:
                seconds: float) -> None:
     if not fits:
       self._active = True
-    of = f" of {diagnose_lib.format_bytes(capacity)}" if capacity else ""
-    self._say(f"compile {described}: {'fits' if fits else 'does not fit'}, needs "
-              f"{diagnose_lib.format_bytes(need)}{of} ({seconds:.1f} s)")
+    fmt = diagnose_lib.format_bytes
+    if fits and need and capacity and need > capacity:  # libtpu's verdict decides
+      what = f"fits by the compiler's verdict (memory_analysis sums {fmt(need)})"
+    else:
+      of = f" of {fmt(capacity)}" if capacity else ""
+      what = f"{'fits' if fits else 'does not fit'}, needs {fmt(need)}{of}"
+    self._say(f"compile {described}: {what} ({seconds:.1f} s)")
 
   def probed(self, described: str, need: int | None, seconds: float) -> None:
     self._say(f"probe {described}: needs {diagnose_lib.format_bytes(need)} ({seconds:.1f} s)")
