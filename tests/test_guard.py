@@ -262,3 +262,20 @@ def test_fit_climbs_without_running_and_the_next_call_reuses_it(tmp_path):
   assert len(step.attempts) == 2  # the call used the fitted executable
   assert step.eval_shape(W, X)[0].shape == W.shape
   np.testing.assert_allclose(out[0], jax.jit(sgd_step)(W, X)[0])
+
+
+@flagsaver.flagsaver(hbm_guard_max_class="numerics", hbm_guard_capacity="16GiB",
+                     hbm_guard_max_fit_seconds=90.0, hbm_guard_progress=False,
+                     hbm_guard_plan_cache_retry_exhausted=True)
+def test_flags_make_one_checked_options_value():
+  from hbm_guard import flags as hbm_flags
+  opts = hbm_flags.options({"max_attempts": 3}, state_argnums=0)
+  assert isinstance(opts, hbm_guard.GuardOptions)
+  assert (opts.max_class, opts.capacity, opts.max_attempts) == ("numerics", 16 << 30, 3)
+  assert opts.max_fit_seconds == 90.0 and not opts.progress and opts.plan_cache_retry_exhausted
+  assert opts.state_argnums == (0,)
+  step = hbm_guard.guarded_jit(sgd_step, options=opts)
+  assert step.options is opts
+  step(jnp.array(W), X)
+  with flagsaver.flagsaver(hbm_guard_max_class="exact"):
+    assert hbm_flags.options().max_class == "exact"  # read when called, not at import
