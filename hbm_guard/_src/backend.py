@@ -36,6 +36,8 @@ class Backend(Protocol):
 
   def where(self) -> str: ...
 
+  def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan: ...
+
   def compile(self, plan: plan_lib.Plan, key, args, kwargs, *, probe: bool = False
               ) -> compile_lib.Trial: ...
 
@@ -53,6 +55,12 @@ class _Base:
 
   def devices(self) -> list[Any]:
     raise NotImplementedError
+
+  def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
+    """The plan as this host runs it (after a target's fit too): TPU flags only on a TPU."""
+    if jax.default_backend() != "tpu" and plan.compiler_options:
+      plan = dataclasses.replace(plan, compiler_options=())
+    return plan
 
   def step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
     devices = self.devices()
@@ -91,12 +99,6 @@ class LocalBackend(_Base):
 
   def where(self) -> str:
     return f"{self.platform}:{jax.devices()[0].device_kind}x{jax.device_count()}"
-
-  def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
-    """The plan as this backend can run it (TPU flags only on a TPU)."""
-    if self.platform != "tpu" and plan.compiler_options:
-      plan = dataclasses.replace(plan, compiler_options=())
-    return plan
 
   def capacity(self, args) -> int | None:
     """capacity=, else on a GPU the allocator's limit less what other live arrays hold."""
@@ -137,12 +139,6 @@ class TargetBackend(_Base):
 
   def where(self) -> str:
     return f"target:{self.target.name}"
-
-  def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
-    """The target's plan as this host runs it after the fit."""
-    if jax.default_backend() != "tpu" and plan.compiler_options:
-      plan = dataclasses.replace(plan, compiler_options=())
-    return plan
 
   def capacity(self, args) -> int | None:
     return self.options.budget
