@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_scale                  # 24 layers: ~30 min here
     .venv/bin/python -m benchmarks.bench_scale --layers 4 --emb 512 --mlp 2048 --seq 512
+    .venv/bin/python -m benchmarks.bench_scale --unmodified --skip-halving  # no helpers
 
 Prints, for the plan-aware step under `target="v5e:1x1"` at the chip's real capacity:
 compiles, probes, seconds of the fit, one compile of the plan it found (the same process,
@@ -67,14 +68,37 @@ class LM(nn.Module):
     return nn.Dense(s.vocab, dtype=dtype)(nn.LayerNorm(dtype=dtype)(x)).astype(jnp.float32)
 
 
+class PlainLM(nn.Module):
+  """The same LM written without hbm_guard: what `--unmodified` fits."""
+  size: Size
+
+  @nn.compact
+  def __call__(self, tokens):
+    s = self.size
+    x = nn.Embed(s.vocab, s.emb)(tokens)
+    for _ in range(s.layers):
+      x = Block(s)(x)
+    return nn.Dense(s.vocab)(nn.LayerNorm()(x))
+
+
+def plain_train_step(state, batch):
+  """A train step written the ordinary way: jax.value_and_grad of a loss closing over
+  the batch, as Flax's lm1b example does."""
+  def loss(params):
+    logits = state.apply_fn({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  value, grads = jax.value_and_grad(loss)(state.params)
+  return state.apply_gradients(grads=grads), value
+
+
 def loss_fn(params, batch, apply_fn):
   logits = apply_fn({"params": params}, batch["inputs"])
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   return jnp.mean(nll)
 
 
-def abstract_args(s: Size):
-  model = LM(s)
+def abstract_args(s: Size, model_class=LM):
+  model = model_class(s)
   tokens = jax.ShapeDtypeStruct((s.batch, s.seq), jnp.int32)
 
   def create():
@@ -86,9 +110,9 @@ def abstract_args(s: Size):
   return state, {"inputs": tokens, "targets": tokens}, n
 
 
-def fit(s: Size, target: str, max_fit_seconds: float | None):
-  state, batch, n = abstract_args(s)
-  step = hg_flax.train_step(loss_fn)
+def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = False):
+  state, batch, n = abstract_args(s, PlainLM if unmodified else LM)
+  step = plain_train_step if unmodified else hg_flax.train_step(loss_fn)
   g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                             plan_cache=False, max_fit_seconds=max_fit_seconds,
                             report_dir=tempfile.mkdtemp())
@@ -142,10 +166,12 @@ def main():
   p.add_argument("--target", default="v5e:1x1")
   p.add_argument("--max-fit-seconds", type=float, default=None)
   p.add_argument("--skip-halving", action="store_true")
+  p.add_argument("--unmodified", action="store_true",
+                 help="fit a step written without hbm_guard (the drop-in analysis)")
   a = p.parse_args()
   s = Size(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Size)})
   print(f"jax {jax.__version__}, {s}, target {a.target}", flush=True)
-  r = fit(s, a.target, a.max_fit_seconds)
+  r = fit(s, a.target, a.max_fit_seconds, a.unmodified)
   print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles, "
         f"{r['probes']} probes ({r['probe_seconds']:.0f} s); fit {r['fit_seconds']:.0f} s; "
         f"plan {r['plan']}; {r.get('error') or ''}", flush=True)

@@ -52,10 +52,17 @@ PROGRESS = flags.DEFINE_bool(
     "hbm_guard_progress", True,
     "Once a step does not fit, print a line to stderr for each compile and probe.")
 
+AUTO_PLAN_AWARE = flags.DEFINE_bool(
+    "hbm_guard_auto_plan_aware", True,
+    "Give an unmodified step the microbatch and remat rungs: its jax.value_and_grad / "
+    "jax.grad is split into microbatches where the loss is a function of batch sums (exact), "
+    "and its repeated layers checkpointed. False: only steps built with the helpers.")
+
 _HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempts": MAX_ATTEMPTS,
             "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
             "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
-            "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS}
+            "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS,
+            "auto_plan_aware": AUTO_PLAN_AWARE}
 
 
 def guard_options(defaults: dict | None = None) -> dict:

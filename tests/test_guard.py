@@ -266,13 +266,15 @@ def test_fit_climbs_without_running_and_the_next_call_reuses_it(tmp_path):
 
 @flagsaver.flagsaver(hbm_guard_max_class="numerics", hbm_guard_capacity="16GiB",
                      hbm_guard_max_fit_seconds=90.0, hbm_guard_progress=False,
-                     hbm_guard_plan_cache_retry_exhausted=True)
+                     hbm_guard_plan_cache_retry_exhausted=True,
+                     hbm_guard_auto_plan_aware=False)
 def test_flags_make_one_checked_options_value():
   from hbm_guard import flags as hbm_flags
   opts = hbm_flags.options({"max_attempts": 3}, state_argnums=0)
   assert isinstance(opts, hbm_guard.GuardOptions)
   assert (opts.max_class, opts.capacity, opts.max_attempts) == ("numerics", 16 << 30, 3)
   assert opts.max_fit_seconds == 90.0 and not opts.progress and opts.plan_cache_retry_exhausted
+  assert opts.auto_plan_aware is False
   assert opts.state_argnums == (0,)
   step = hbm_guard.guarded_jit(sgd_step, options=opts)
   assert step.options is opts

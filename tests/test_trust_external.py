@@ -327,6 +327,7 @@ def test_static_values_are_keyed_by_value_and_each_is_fitted():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(auto_fallback="False"), "auto_fallback"), (dict(auto_fallback=0), "auto_fallback"),
+    (dict(auto_plan_aware="no"), "auto_plan_aware"),
     (dict(state_argnums="0"), "state_argnums"), (dict(plan=5), "plan"),
     (dict(plan=[1]), "plan"), (dict(offload_filter="opt_state"), "offload_filter"),
     (dict(capacity="9" * 400 + "G"), "capacity"), (dict(target=5), "target"),

@@ -77,7 +77,8 @@ class _Base:
         batch_size=tf.batch_size, has_host_memory=has_host,
         can_reshard="in_shardings" not in self.options.jit_kwargs,
         offload_bytes=sum(layout_lib.offload_bytes(args[i], self.options.offload_filter)
-                          for i in replaced))
+                          for i in replaced),
+        auto_refused=tf.auto_refused)
 
   def _trial(self, plan, compile_fn, facts_fn, capacity) -> compile_lib.Trial:
     trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,

@@ -43,13 +43,14 @@ class Attempt:
   loss_form: str | None = None  # how the step's value_and_grad reduced its loss
   planning: Any = None  # planner.Planning: the probes that chose the next plan, and why
   optimizer_streaming: str | None = None  # offloaded state: per parameter, or whole
+  auto: str | None = None  # what the drop-in analysis did with the step's gradient
 
   def to_dict(self) -> dict[str, Any]:
     return {
         "number": self.number, "plan": self.plan.to_dict(), "described": self.plan.describe(),
         "outcome": compile_lib.Outcome(self.outcome).value, "seconds": round(self.seconds, 3),
         "signature": self.signature, "loss_form": self.loss_form,
-        "optimizer_streaming": self.optimizer_streaming,
+        "optimizer_streaming": self.optimizer_streaming, "auto": self.auto,
         "record": self.record.to_dict() if self.record else None,
         "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
         "memory": self.memory,
@@ -96,10 +97,11 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     number = first_number + len(attempts)
     loss_form = trial.facts.loss_form if trial.facts else None
     streaming = trial.facts.optimizer_streaming if trial.facts else None
+    auto = trial.facts.auto if trial.facts else None
     if trial.outcome is compile_lib.Outcome.FITS:
       attempt = Attempt(number, plan, compile_lib.Outcome.FITS, trial.seconds, memory=trial.memory,
                         signature=signature, loss_form=loss_form,
-                        optimizer_streaming=streaming)
+                        optimizer_streaming=streaming, auto=auto)
       attempts.append(attempt)
       on_attempt(attempt)
       return Result(Status.FITS, plan, tuple(attempts), trial)
@@ -118,7 +120,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     if auto_fallback:
       nxt = hosts_lib.agree_plan(nxt)  # process 0 decides, for every process
     attempt = Attempt(number, plan, compile_lib.Outcome.OOM, trial.seconds, rec, diag, trial.memory,
-                      tuple(skips), signature, loss_form, planning, streaming)
+                      tuple(skips), signature, loss_form, planning, streaming, auto)
     attempts.append(attempt)
     on_attempt(attempt)
     if not auto_fallback:

@@ -39,6 +39,8 @@ class TraceFacts:
   batch_size: int | None = None
   loss_form: str | None = None  # how value_and_grad reduced the loss
   optimizer_streaming: str | None = None  # how offload_aware brought the state in
+  auto: str | None = None  # what the drop-in analysis did with the step's gradient
+  auto_refused: str | None = None  # why it did not split the batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,7 +93,8 @@ def cache_parts(step: steps_lib.StepBuilder, backend, options: options_lib.Guard
       "where": backend.where(), "capacity": options.budget, "max_class": options.max_class,
       "ladder": [r.to_dict() for r in options.ladder], "state_argnums": options.state_argnums,
       "max_attempts": options.max_attempts, "search": options.search,
-      "headroom": options.headroom, "compiler_options": options.jit_kwargs.get("compiler_options"),
+      "headroom": options.headroom, "auto_plan_aware": options.auto_plan_aware,
+      "compiler_options": options.jit_kwargs.get("compiler_options"),
       "compile_environment": plan_cache_lib.compile_environment(),
       "versions": plan_cache_lib.versions()}
   return json.loads(json.dumps(parts, default=repr))  # as it reads back from the file

@@ -274,7 +274,9 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
       the compiler's exact figure of a compiled plan is held against the capacity itself.
     plan_cache_retry_exhausted: climb again even when the plan cache remembers that
       nothing fit this program.
-    options: a `GuardOptions` holding all of the above; keyword arguments given as well
+    options: a `GuardOptions` holding all of the above (and `max_fit_seconds`, `progress`,
+      `auto_plan_aware`: False keeps an unmodified step off the microbatch and remat
+      rungs); keyword arguments given as well
       replace its fields.
     **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
 

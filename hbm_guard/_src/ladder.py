@@ -132,6 +132,7 @@ class StepFacts:
   has_host_memory: bool = False
   can_reshard: bool = True  # False when the user fixed in_shardings
   offload_bytes: int = 0  # state bytes the offload filter selects (optimizer state)
+  auto_refused: str | None = None  # why the drop-in analysis did not split the batch
 
   def reads(self, field: str) -> bool:
     return "*" in self.plan_reads or field in self.plan_reads
@@ -163,9 +164,14 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
   if CLASSES.index(rung.semantic_class) > CLASSES.index(max_class):
     return SkipKind.WITHHELD, (f"withheld: class '{rung.semantic_class}' is above the "
                                f"allowed '{max_class}' (allow it with max_class=...)")
+  if rung.kind == "microbatch" and facts.auto_refused:
+    return SkipKind.NOT_PLAN_AWARE, (
+        f"the batch was not split automatically: {facts.auto_refused} (split it yourself "
+        f"with hbm_guard.value_and_grad where that is what you want)")
   if rung.kind in _NEEDS_FIELD and not facts.reads(_NEEDS_FIELD[rung.kind]):
-    return SkipKind.NOT_PLAN_AWARE, ("the step is not plan-aware for this rung (build it with hbm_guard's helpers, "
-            "e.g. hbm_guard.value_and_grad / integrations.flax remat)")
+    return SkipKind.NOT_PLAN_AWARE, ("the step is not plan-aware for this rung: no "
+            "jax.value_and_grad / jax.grad / nnx.value_and_grad call was seen in the traced step "
+            "(build it with hbm_guard's helpers, e.g. hbm_guard.value_and_grad / integrations.flax remat)")
   if rung.kind == "donate":
     if not facts.state_argnums:
       return SkipKind.NOT_APPLICABLE, "no argument is declared replaced by the step (pass state_argnums=...)"

@@ -135,6 +135,7 @@ class GuardOptions:
   plan_cache_retry_exhausted: bool = False
   max_fit_seconds: float | None = None  # a fit starts no compile or probe it cannot finish
   progress: bool = True  # a line on stderr per compile and probe once a step did not fit
+  auto_plan_aware: bool = True  # microbatch and remat an unmodified step's jax.value_and_grad
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -170,6 +171,7 @@ class GuardOptions:
                    self.max_fit_seconds)
       put("max_fit_seconds", float(self.max_fit_seconds))
     put("progress", _strict_bool("progress", self.progress))
+    put("auto_plan_aware", _strict_bool("auto_plan_aware", self.auto_plan_aware))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))
     plan = read_plan(self.plan)
     if plan is not None:

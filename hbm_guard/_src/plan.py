@@ -167,6 +167,8 @@ class TraceNotes:
   batch_size: int | None = None  # the batch the step's value_and_grad split
   loss_form: str | None = None  # "weighted_sum" | "mean": how it reduced the loss
   optimizer_streaming: str | None = None  # "streamed" | "whole": how offload brought it in
+  auto: str | None = None  # what the drop-in analysis found in the step's gradient
+  auto_refused: str | None = None  # why it did not split the batch, when it did not
 
 
 @dataclasses.dataclass
@@ -201,6 +203,12 @@ def plan_value(field: str) -> Any:
     return getattr(Plan(), field)
   scope.reads.add(field)
   return getattr(scope.plan, field)
+
+
+def reads_now() -> frozenset[str]:
+  """The plan fields read so far in this trace (empty outside a guard)."""
+  scope = _SCOPE.get()
+  return frozenset(scope.reads) if scope is not None else frozenset()
 
 
 def note(**notes: Any) -> None:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from hbm_guard._src import argnums as argnums_lib
 from hbm_guard._src import errors
+from hbm_guard._src import intercept
 from hbm_guard._src import plan as plan_lib
 
 # Plan names for jax.checkpoint_policies; "everything_saveable" is remat that saves all,
@@ -125,6 +126,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
+    with intercept.suspended():  # the step splits its own batch: no drop-in analysis
+      return split_call(*args, **kwargs)
+
+  def split_call(*args, **kwargs):
     k = plan_lib.plan_value("microbatches")
     plan_lib.note(loss_form="weighted_sum" if weighted else "mean")
     batch = split.batch_size(args, kwargs)

@@ -226,7 +226,10 @@ def forms(attempt: dict[str, Any]) -> list[str]:
   """How the step's loss and offloaded state were handled, where the plan made it matter."""
   plan = attempt.get("plan") or {}
   out = []
-  if plan.get("microbatches", 1) > 1 and attempt.get("loss_form") in _LOSS_FORMS:
+  auto = attempt.get("auto")
+  if isinstance(auto, str) and (plan.get("microbatches", 1) > 1 or plan.get("remat_policy")):
+    out.append(f"drop-in: {auto}")
+  elif plan.get("microbatches", 1) > 1 and attempt.get("loss_form") in _LOSS_FORMS:
     out.append(_LOSS_FORMS[attempt["loss_form"]])
   if plan.get("offload_optimizer") and attempt.get("optimizer_streaming") in _STREAMING:
     out.append(_STREAMING[attempt["optimizer_streaming"]])

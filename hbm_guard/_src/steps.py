@@ -15,7 +15,10 @@ from typing import Any, Callable, Hashable
 import jax
 import numpy as np
 
+from hbm_guard._src import auto_grad
+from hbm_guard._src import auto_offload
 from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import intercept
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
@@ -89,13 +92,23 @@ class StepBuilder:
       key = self.key(args, kwargs)
       if allowed is not None and key not in allowed:
         raise NewSignature(key)
-      with plan_lib.plan_scope(plan) as scope:
-        out = fun(*args, **kwargs)
+      auto = auto_grad.Context.from_args(
+          args, kwargs, state_argnums, self.static(len(args)),
+          self.name) if self.options.auto_plan_aware else None
+      with plan_lib.plan_scope(plan) as scope, intercept.intercepting(auto):
+        if auto is None:
+          out = fun(*args, **kwargs)
+        else:  # the optax update of an unmodified step follows the offload rung
+          aware, originals = auto_offload.wrap_states(args, state_argnums)
+          with auto_offload.nnx_optimizers():
+            out = auto_offload.restore_states(fun(*aware, **kwargs), originals)
+      notes = scope.notes
       facts[key] = compile_lib.TraceFacts(
           reads=frozenset(scope.reads), replaced=trace_lib.replaced_state(args, out, state_argnums),
           n_outputs=len(out) if isinstance(out, (tuple, list)) else None,
-          batch_size=scope.notes.batch_size, loss_form=scope.notes.loss_form,
-          optimizer_streaming=scope.notes.optimizer_streaming)
+          batch_size=notes.batch_size, loss_form=notes.loss_form,
+          optimizer_streaming=notes.optimizer_streaming, auto=notes.auto,
+          auto_refused=notes.auto_refused)
       return out
 
     return traced

@@ -1,0 +1,335 @@
+"""An unmodified step's gradient, microbatched exactly and rematerialised per layer.
+
+Called (by `intercept`) in place of `jax.value_and_grad(fun, ...)(*args)` while the guard
+traces a step. The loss is traced once at the whole batch: `batch_axis` follows the batch
+through it. When the loss is a function of sums over the batch (a mean, a token-weighted
+`sum(l * w) / sum(w)`), each microbatch contributes its sums and their gradients, and the
+function of the sums is applied once to the totals (chain rule over the sums): the whole
+batch's value and gradient, however it is split. Repeated layers (`block_0`, `block_1`, ...
+in the jaxpr's name stacks) are each checkpointed with the plan's remat policy.
+Under the default plan the step's own `jax.value_and_grad` runs: the program is unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hbm_guard._src import batch_axis
+from hbm_guard._src import closure
+from hbm_guard._src import jaxpr_flat as flat
+from hbm_guard._src import layers
+from hbm_guard._src import plan as plan_lib
+
+_MAX_SUM_GRADS = 8  # separate batch sums of the parameters whose gradients are accumulated
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What the guard's trace knows of the step's arguments."""
+  batch_size: int | None  # the commonest leading size of the step's non-state arguments
+  state_ids: frozenset[int]
+  step_name: str = "step"
+
+  @classmethod
+  def from_args(cls, args, kwargs, state_argnums, static, step_name="step") -> "Context":
+    state, static = set(state_argnums), set(static)
+    batch = [x for i, a in enumerate(args) if i not in state and i not in static
+             for x in jax.tree.leaves(a)] + jax.tree.leaves(kwargs)
+    batch = [x for x in batch if getattr(x, "ndim", 0) >= 1 and not _is_key(x)]
+    states = [x for i in state if i < len(args) for x in jax.tree.leaves(args[i])]
+    sizes = collections.Counter(int(x.shape[0]) for x in batch)
+    size = sizes.most_common(1)[0][0] if sizes else None
+    return cls(size, frozenset(map(id, states)), step_name)
+
+  def is_batch(self, x) -> bool:
+    """A batch leaf: the batch's leading size and not state (one of the step's own batch
+    arguments, or a value computed from them, such as token weights)."""
+    return (self.batch_size is not None and getattr(x, "ndim", 0) >= 1
+            and hasattr(x, "dtype") and x.shape[0] == self.batch_size
+            and id(x) not in self.state_ids and not _is_key(x))
+
+
+def _is_key(x) -> bool:
+  try:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  except (AttributeError, TypeError):
+    return False
+
+
+def _describe(x) -> str:
+  return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+@dataclasses.dataclass
+class _Traced:
+  """The loss traced at the whole batch, with where its inputs came from."""
+  fun: Callable
+  diff: tuple[int, ...]
+  leaves: list  # args' and kwargs' leaves
+  treedef: Any
+  kinds: list[str]  # per leaf: "diff" | "batch" | "other"
+  captured: list  # batch values the loss closes over
+  out_tree: list  # [treedef] of the loss's output, filled by tracing
+  closed: Any = None
+  prog: flat.Program | None = None
+
+  @property
+  def n_diff(self) -> int:
+    return sum(k == "diff" for k in self.kinds)
+
+  def inputs(self, batch_vals=None):
+    diff = [x for x, k in zip(self.leaves, self.kinds) if k == "diff"]
+    other = [x for x, k in zip(self.leaves, self.kinds) if k == "other"]
+    batch = [x for x, k in zip(self.leaves, self.kinds) if k == "batch"] + self.captured
+    return diff, other, batch if batch_vals is None else batch_vals
+
+  def g(self, diff, other, batch):
+    """The loss as a function of (differentiated, other, batch) leaves."""
+    it = {"diff": iter(diff), "other": iter(other), "batch": iter(batch)}
+    leaves = [next(it[k]) for k in self.kinds]
+    rest = list(it["batch"])
+    fun = closure.substitute(closure.fresh(self.fun),
+                             {id(c): v for c, v in zip(self.captured, rest)})
+    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+    out_leaves, tree = jax.tree_util.tree_flatten(fun(*args, **kwargs))
+    self.out_tree[:] = [tree]
+    return out_leaves
+
+
+def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
+  diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  kinds, leaves = [], []
+  for i, a in enumerate(args):
+    for x in jax.tree.leaves(a):
+      leaves.append(x)
+      kinds.append("diff" if i in diff else "batch" if ctx.is_batch(x) else "other")
+  for x in jax.tree.leaves(kwargs):
+    leaves.append(x)
+    kinds.append("batch" if ctx.is_batch(x) else "other")
+  treedef = jax.tree_util.tree_structure((args, kwargs))
+  explicit = {id(x) for x in leaves}
+  captured = [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer)
+                                      and ctx.is_batch(x)) if id(x) not in explicit]
+  t = _Traced(fun, diff, leaves, treedef, kinds, captured, [])
+  t.closed = jax.make_jaxpr(t.g)(*t.inputs())
+  t.prog = flat.flatten(t.closed)
+  return t
+
+
+def _wrap(policy_name: str | None):
+  if policy_name is None or policy_name == "everything_saveable":
+    return None
+  from hbm_guard._src import plan_aware  # pylint: disable=import-outside-toplevel
+  policy = plan_aware._policy(policy_name)  # pylint: disable=protected-access
+  return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=True)
+
+
+# ----------------------------------------------------------------------------- split
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """How the loss splits: its batch sums, which carry gradients, what is per example."""
+  tags: dict
+  frontier: tuple  # sums the combining part reads (slots of the whole-batch program)
+  dep: tuple[bool, ...]  # per frontier sum: does it depend on the differentiated inputs
+  batched_outs: tuple[int, ...]  # output positions that are per example
+  description: str
+
+
+def analyse(t: _Traced, batch: int) -> Split:
+  """How the traced loss splits over the batch; raises batch_axis.NotSplittable."""
+  prog = t.prog
+  n_diff = sum(k == "diff" for k in t.kinds)
+  n_other = sum(k == "other" for k in t.kinds)
+  batch_slots = prog.invars[n_diff + n_other:]
+  if not batch_slots:
+    raise batch_axis.NotSplittable("no batch input reaches the loss")
+  for c in t.closed.consts:
+    if isinstance(c, jax.core.Tracer) and getattr(c, "ndim", 0) >= 1 and c.shape[0] == batch:
+      raise batch_axis.NotSplittable(
+          f"a batch-sized value {_describe(c)} reaches the loss other than through its "
+          f"arguments or closure (pass it as an argument)")
+  tags = batch_axis.analyse(prog, {v: 0 for v in batch_slots}, batch)
+  outs = [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
+  if not isinstance(outs[0], batch_axis.Reduced):
+    raise batch_axis.NotSplittable("the loss does not depend on the batch")
+  frontier = []
+  for e in prog.eqns:
+    if tags.get(e.outvars[0]) is batch_axis.COMBINED:
+      frontier += [v for v in e.invars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
+  frontier += [v for v in prog.outvars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
+  frontier = tuple(dict.fromkeys(frontier))
+  dep_slots = _depends(prog, set(prog.invars[:n_diff]))
+  dep = tuple(v in dep_slots for v in frontier)
+  n_grads = sum(int(np.prod(v.aval.shape)) for v, d in zip(frontier, dep) if d)
+  if n_grads > _MAX_SUM_GRADS:
+    raise batch_axis.NotSplittable(
+        f"the loss depends on {n_grads} separate batch sums of the parameters")
+  batched_outs = tuple(i for i, tag in enumerate(outs) if isinstance(tag, batch_axis.Batched))
+  for i in batched_outs:
+    if outs[i].axis != 0 and prog.outvars[i].aval.shape[outs[i].axis] % batch:
+      raise batch_axis.NotSplittable(f"output {i} holds the batch unevenly")
+  n_sums = len(frontier)
+  kind = "the sum" if n_sums == 1 and outs[0] is batch_axis.SUM else (
+      f"a function of {n_sums} batch sum{'s' * (n_sums != 1)}")
+  return Split(tags, frontier, dep, batched_outs,
+               f"loss: {kind}, accumulated over microbatches and combined once (exact)")
+
+
+def _depends(prog: flat.Program, roots: set) -> set:
+  dep = set(roots)
+  for e in prog.eqns:
+    if any(flat.is_var(v) and v in dep for v in e.invars):
+      dep.update(e.outvars)
+  return dep
+
+
+def _micro_program(t: _Traced, split: Split, batch: int, k: int):
+  """The loss traced on one microbatch, checked equation for equation against the whole."""
+  m = batch // k
+  diff, other, batch_vals = t.inputs()
+  shapes = [jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype,
+                                 weak_type=getattr(jax.typeof(x), "weak_type", False))
+            for x in batch_vals]
+  closed = jax.make_jaxpr(t.g)(diff, other, shapes)
+  prog = flat.flatten(closed)
+  if not flat.same_structure(t.prog, prog) or len(closed.consts) != len(t.closed.consts):
+    raise batch_axis.NotSplittable("the loss traces differently on a microbatch")
+  slot = {a: b for x, y in zip(t.prog.eqns, prog.eqns) for a, b in zip(x.outvars, y.outvars)}
+  slot.update(zip(t.prog.invars, prog.invars))
+  slot.update(zip(t.prog.constvars, prog.constvars))
+  frontier = [slot[v] for v in split.frontier]
+  outs = [prog.outvars[i] for i in split.batched_outs]
+  indices = flat.needed(prog, frontier + outs)
+  for i in indices:
+    for a, b in zip(t.prog.eqns[i].invars, prog.eqns[i].invars):
+      if _literal(a) is not None and not np.array_equal(_literal(a), _literal(b)):
+        raise batch_axis.NotSplittable(
+            f"`{prog.eqns[i].primitive.name}` in {prog.eqns[i].name_stack or 'the loss'} uses "
+            f"the batch size as a number in per-example work (e.g. x / batch_size before a sum)")
+  return closed, prog, frontier, outs, indices
+
+
+def _literal(atom):
+  return None if flat.is_var(atom) or isinstance(atom, flat.Const) else np.asarray(atom.val)
+
+
+def _acc_dtype(dtype):
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+    return jnp.float32
+  return dtype
+
+
+def _key_slots(prog: flat.Program, consts) -> list[int]:
+  """Positions of the constants that are random keys (folded per microbatch)."""
+  fed = {v for e in prog.eqns if e.primitive.name.startswith(("random_", "threefry"))
+         for v in e.invars}
+  return [i for i, (v, c) in enumerate(zip(prog.constvars, consts))
+          if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32)]
+
+
+def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | None):
+  """(outputs, gradient leaves) of the loss over k microbatches: the whole batch's."""
+  closed, prog, frontier, outs, indices = _micro_program(t, split, batch, k)
+  segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
+  wrap = _wrap(policy)
+  diff, other, batch_vals = t.inputs()
+  parts = [x.reshape((k, batch // k) + tuple(x.shape[1:])) for x in batch_vals]
+  keys = _key_slots(prog, closed.consts)
+  dep = [j for j, d in enumerate(split.dep) if d]
+  basis = [(j, e) for j in dep for e in range(int(np.prod(frontier[j].aval.shape)))]
+
+  def per_micro(d, micro, consts):
+    env = dict(zip(prog.constvars, consts))
+    env.update(zip(prog.invars, [*d, *other, *micro]))
+    vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap)
+    sums, bouts = vals[:len(frontier)], vals[len(frontier):]
+    return [sums[j] for j in dep], (sums, bouts)
+
+  def body(carry, xs):
+    totals, grads = carry
+    micro, i = xs
+    consts = list(closed.consts)
+    for p in keys:
+      consts[p] = jax.random.fold_in(consts[p], i)
+    _, vjp, (sums, bouts) = jax.vjp(lambda d: per_micro(d, micro, consts), diff, has_aux=True)
+    new = []
+    for j, e in basis:
+      cot = [jnp.zeros(frontier[q].aval.shape, frontier[q].aval.dtype) for q in dep]
+      q = dep.index(j)
+      cot[q] = cot[q].reshape(-1).at[e].set(1).reshape(cot[q].shape)
+      new.append(vjp(cot)[0])
+    totals = [a + s.astype(a.dtype) for a, s in zip(totals, sums)]
+    grads = [[a + g.astype(a.dtype) for a, g in zip(acc, gs)] for acc, gs in zip(grads, new)]
+    return (totals, grads), bouts
+
+  zeros = ([jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in frontier],
+           [[jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff] for _ in basis])
+  (totals, grads), stacked = jax.lax.scan(body, zeros, (parts, jnp.arange(k)))
+  totals = [s.astype(v.aval.dtype) for s, v in zip(totals, split.frontier)]
+  return _combine(t, split, totals, grads, basis, stacked)
+
+
+def _combine(t: _Traced, split: Split, totals, grads, basis, stacked):
+  prog = t.prog
+  diff, other, batch_vals = t.inputs()
+  rest = [i for i in range(len(prog.outvars)) if i not in split.batched_outs]
+  targets = [prog.outvars[i] for i in rest]
+  indices = flat.needed(prog, targets, given=split.frontier)
+
+  def combined(sums, d):
+    env = dict(zip(prog.constvars, t.closed.consts))
+    env.update(zip(prog.invars, [*d, *other, *batch_vals]))
+    env.update(zip(split.frontier, sums))
+    vals = flat.evaluate(prog, env, indices, targets)
+    return vals[0], vals
+
+  loss, vjp, vals = jax.vjp(combined, totals, diff, has_aux=True)
+  g_sums, g_direct = vjp(jnp.ones_like(loss))
+  out = [None] * len(prog.outvars)
+  for i, v in zip(rest, vals):
+    out[i] = v
+  for i, ys in zip(split.batched_outs, stacked):
+    axis = split.tags[prog.outvars[i]].axis
+    out[i] = jnp.concatenate(list(ys), axis=axis) if ys.shape[0] > 1 else ys[0]
+  result = []
+  for n, (x, gd) in enumerate(zip(diff, g_direct)):
+    g = gd.astype(_acc_dtype(x.dtype))
+    for b, (j, e) in enumerate(basis):
+      g = g + g_sums[j].reshape(-1)[e].astype(g.dtype) * grads[b][n]
+    result.append(g.astype(x.dtype))
+  return out, result
+
+
+def rematerialised(t: _Traced, policy: str, vg: Callable):
+  """(outputs, gradient leaves) with each repeated layer checkpointed, whole batch."""
+  prog = t.prog
+  indices = list(range(len(prog.eqns)))
+  segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
+  diff, other, batch_vals = t.inputs()
+  wrap = _wrap(policy)
+
+  def f(d):
+    env = dict(zip(prog.constvars, t.closed.consts))
+    env.update(zip(prog.invars, [*d, *other, *batch_vals]))
+    vals = flat.evaluate(prog, env, indices, list(prog.outvars), segments, wrap)
+    return vals[0], vals
+
+  (_, vals), grads = vg(f, has_aux=True)(diff)
+  return vals, grads
+
+
+def unflatten(t: _Traced, out_leaves, grad_leaves, args):
+  """The loss's outputs and the gradients in the structures jax's own would have."""
+  out = jax.tree_util.tree_unflatten(t.out_tree[0], out_leaves)
+  structs = [jax.tree_util.tree_structure(args[i]) for i in t.diff]
+  it = iter(grad_leaves)
+  grads = [jax.tree_util.tree_unflatten(s, [next(it) for _ in range(s.num_leaves)])
+           for s in structs]
+  return out, grads

@@ -1,0 +1,374 @@
+"""Where the batch goes in a loss: per example, summed over, or combined from sums.
+
+Each value of a flat loss program gets a tag:
+- no tag: independent of the batch (parameters, constants);
+- `Batched(axis)`: per example; the batch is the major factor of `axis`;
+- `SUM`: an additive sum over the batch (the microbatches' values add up to the batch's);
+- `COMBINED`: computed from sums (a mean, `sum(l * w) / sum(w)`): evaluated once, from
+  the whole batch's sums.
+Where examples interact — a batch statistic feeding per-example work (BatchNorm), examples
+paired with examples (in-batch negatives), a maximum over the batch — `NotSplittable` says
+where, so the guard can say why it did not split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Sequence
+
+from hbm_guard._src import jaxpr_flat as flat
+
+
+class NotSplittable(Exception):
+  """The loss is not a function of sums over the batch; the message says where."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Batched:
+  axis: int
+
+
+class Reduced(enum.Enum):
+  SUM = "sum"
+  COMBINED = "combined"
+
+
+SUM, COMBINED = Reduced.SUM, Reduced.COMBINED
+_AXIS_PARAMS = ("axis", "axes", "dimension", "dimensions")
+# Ops under which a sum stays additive: they only move or retype the summed values.
+_LINEAR_1 = frozenset({"convert_element_type", "neg", "reshape", "squeeze", "broadcast_in_dim",
+                       "transpose", "reduce_sum", "copy", "copy_p", "real", "imag"})
+_REDUCE_OTHER = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                           "reduce_xor", "argmax", "argmin"})
+_UNITS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
+                    "remat", "custom_lin"})
+
+
+def analyse(prog: flat.Program, batched: dict[Any, int], batch: int) -> dict[Any, Any]:
+  """Tags of every value of `prog`, given the batch inputs' axes; raises NotSplittable."""
+  tags: dict[Any, Any] = {v: Batched(a) for v, a in batched.items()}
+  for e in prog.eqns:
+    ins = [tags.get(v) if flat.is_var(v) else None for v in e.invars]
+    if not any(t is not None for t in ins):
+      continue
+    for v, t in zip(e.outvars, _tag(e, ins, batch)):
+      if t is not None:
+        tags[v] = t
+  return tags
+
+
+def _where(e: flat.Eqn) -> str:
+  stack = f" in {e.name_stack}" if e.name_stack else ""
+  return f"`{e.primitive.name}`{stack}"
+
+
+def _shape(atom) -> tuple[int, ...]:
+  return tuple(getattr(atom.aval, "shape", ())) if flat.is_var(atom) else tuple(
+      getattr(flat.read(atom, {}), "shape", ()))
+
+
+def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
+  n_out = len(e.outvars)
+  has_b = any(isinstance(t, Batched) for t in ins)
+  has_r = any(isinstance(t, Reduced) for t in ins)
+  if has_b and has_r:
+    raise NotSplittable(f"{_where(e)} combines per-example values with a value reduced over "
+                        f"the batch (a batch statistic, as BatchNorm's)")
+  if has_r:
+    return [_reduced(e, ins)] * n_out
+  name = e.primitive.name
+  rule = _RULES.get(name)
+  if rule is not None:
+    return rule(e, ins, batch)
+  if name in _UNITS or name == "scan" or name == "cond":
+    return _unit(e, ins, batch)
+  if name == "while":
+    raise NotSplittable(f"{_where(e)} loops over per-example values")
+  return _elementwise(e, ins)
+
+
+def _reduced(e: flat.Eqn, ins: list) -> Reduced:
+  """A sum stays a sum under linear maps; anything else makes a combined value."""
+  name = e.primitive.name
+  if COMBINED in ins:
+    return COMBINED
+  kinds = list(ins)
+  if name in _LINEAR_1 and kinds[0] is SUM and all(t is None for t in kinds[1:]):
+    return SUM
+  if name in ("add", "sub", "add_any") and all(t is SUM for t in kinds):
+    return SUM
+  # Scaling by a constant is linear too, but the constant may be the batch's size (a mean's
+  # divisor): it is applied once, to the totals, where it is the whole batch's.
+  return COMBINED
+
+
+def _the(ins: list) -> tuple[int, int]:
+  """(operand index, batch axis) of the first batched operand."""
+  i = next(i for i, t in enumerate(ins) if isinstance(t, Batched))
+  return i, ins[i].axis
+
+
+def _params_axes(e: flat.Eqn) -> set[int]:
+  out: set[int] = set()
+  for name in _AXIS_PARAMS:
+    value = e.params.get(name)
+    if isinstance(value, int) and not isinstance(value, bool):
+      out.add(value)
+    elif isinstance(value, (tuple, list)) and all(isinstance(x, int) for x in value):
+      out.update(value)
+  return out
+
+
+def _elementwise(e: flat.Eqn, ins: list) -> list:
+  """An op whose outputs have its batched operands' shape (up to lax's broadcasting of size-1
+  dimensions) keeps the batch axis."""
+  batched = [(v, t) for v, t in zip(e.invars, ins) if isinstance(t, Batched)]
+  axes = {t.axis for _, t in batched}
+  outs = {tuple(getattr(v.aval, "shape", ())) for v in e.outvars}
+  if len(axes) == 1 and len(outs) == 1:
+    axis, out = axes.pop(), outs.pop()
+    if all(len(_shape(v)) == len(out) and _shape(v)[axis] == out[axis] and all(
+        d in (1, o) for d, o in zip(_shape(v), out)) for v, _ in batched):
+      if axis in _params_axes(e):
+        raise NotSplittable(f"{_where(e)} runs along the batch axis (examples interact)")
+      return [Batched(axis)] * len(e.outvars)
+  raise NotSplittable(f"{_where(e)}: the guard does not know how it moves the batch axis")
+
+
+def _reduce_sum(e, ins, batch):
+  axes = tuple(e.params["axes"])
+  _, a = _the(ins)
+  return [SUM if a in axes else Batched(a - sum(x < a for x in axes))]
+
+
+def _reduce_other(e, ins, batch):
+  axes = tuple(e.params["axes"])
+  _, a = _the(ins)
+  if a in axes:
+    raise NotSplittable(f"{_where(e)} reduces over the batch axis without summing "
+                        f"(examples interact)")
+  return [Batched(a - sum(x < a for x in axes))]
+
+
+def _broadcast_in_dim(e, ins, batch):
+  if not isinstance(ins[0], Batched):
+    return _elementwise(e, ins)
+  return [Batched(tuple(e.params["broadcast_dimensions"])[ins[0].axis])]
+
+
+def _reshape(e, ins, batch):
+  if e.params.get("dimensions") is not None or not isinstance(ins[0], Batched):
+    raise NotSplittable(f"{_where(e)} reorders the batch axis")
+  a = ins[0].axis
+  shape_in = _shape(e.invars[0])
+  shape_out = tuple(e.outvars[0].aval.shape)
+  prefix = math.prod(shape_in[:a])
+  for b in range(len(shape_out)):
+    if math.prod(shape_out[:b]) == prefix and shape_out[b] >= batch and shape_out[b] % batch == 0:
+      return [Batched(b)]
+    if math.prod(shape_out[:b]) > prefix:
+      break
+  raise NotSplittable(f"{_where(e)} splits the batch axis {shape_in} -> {shape_out}")
+
+
+def _transpose(e, ins, batch):
+  return [Batched(tuple(e.params["permutation"]).index(ins[0].axis))]
+
+
+def _squeeze(e, ins, batch):
+  dims = tuple(e.params["dimensions"])
+  a = ins[0].axis
+  return [Batched(a - sum(d < a for d in dims))]
+
+
+def _dot_general(e, ins, batch):
+  (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+  ranks = [len(_shape(v)) for v in e.invars[:2]]
+  free = [[d for d in range(ranks[s]) if d not in (lc, rc)[s] and d not in (lb, rb)[s]]
+          for s in (0, 1)]
+  where = []
+  for side in (0, 1):
+    t = ins[side]
+    if not isinstance(t, Batched):
+      where.append(None)
+    elif t.axis in (lc, rc)[side]:
+      where.append(("contract", tuple((lc, rc)[side]).index(t.axis)))
+    elif t.axis in (lb, rb)[side]:
+      where.append(("batch", tuple((lb, rb)[side]).index(t.axis)))
+    else:
+      offset = len(lb) + (0 if side == 0 else len(free[0]))
+      where.append(("free", offset + free[side].index(t.axis)))
+  l, r = where
+  if l is not None and r is not None:
+    if l == r and l[0] == "contract":
+      return [SUM]
+    if l == r and l[0] == "batch":
+      return [Batched(l[1])]
+    raise NotSplittable(f"{_where(e)} pairs examples with other examples (in-batch "
+                        f"interaction, as a contrastive loss's)")
+  kind, pos = l or r
+  if kind == "contract":
+    return [SUM]
+  return [Batched(pos)]
+
+
+def _gather(e, ins, batch):
+  dn = e.params["dimension_numbers"]
+  out_rank = len(e.outvars[0].aval.shape)
+  gathered = [d for d in range(out_rank) if d not in tuple(dn.offset_dims)]
+  op, idx = ins[0], ins[1]
+  op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+  idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  if isinstance(idx, Batched) and idx.axis < len(_shape(e.invars[1])) - 1:
+    if op is None or (op.axis in op_batching
+                      and idx_batching[op_batching.index(op.axis)] == idx.axis):
+      return [Batched(gathered[idx.axis])]
+  if isinstance(op, Batched) and idx is None:
+    kept = [d for d in range(len(_shape(e.invars[0])))
+            if d not in tuple(dn.collapsed_slice_dims) and d not in op_batching]
+    full = tuple(e.params["slice_sizes"])[op.axis] == _shape(e.invars[0])[op.axis]
+    if op.axis in kept and full and op.axis not in tuple(dn.start_index_map):
+      return [Batched(tuple(dn.offset_dims)[kept.index(op.axis)])]
+  raise NotSplittable(f"{_where(e)} gathers across examples")
+
+
+def _concatenate(e, ins, batch):
+  axes = {t.axis for t in ins if isinstance(t, Batched)}
+  if len(axes) == 1 and e.params["dimension"] not in axes and all(
+      isinstance(t, Batched) for t in ins):
+    return [Batched(axes.pop())]
+  raise NotSplittable(f"{_where(e)} concatenates along or beside the batch axis")
+
+
+def _full_on_batch_axis(e, ins, batch):
+  """slice / pad / dynamic_slice: fine when the batch axis is taken whole."""
+  i, a = _the(ins)
+  if i != 0:
+    raise NotSplittable(f"{_where(e)} indexes by a per-example value")
+  name = e.primitive.name
+  size = _shape(e.invars[0])[a]
+  ok = {
+      "slice": lambda p: (p["start_indices"][a] == 0 and p["limit_indices"][a] == size
+                          and (p["strides"] is None or p["strides"][a] == 1)),
+      "pad": lambda p: tuple(p["padding_config"][a]) == (0, 0, 0),
+      "dynamic_slice": lambda p: p["slice_sizes"][a] == size,
+  }[name](e.params)
+  if not ok:
+    raise NotSplittable(f"{_where(e)} takes part of the batch axis")
+  return [Batched(a)]
+
+
+def _top_k(e, ins, batch):
+  _, a = _the(ins)
+  if a == len(_shape(e.invars[0])) - 1:
+    raise NotSplittable(f"{_where(e)} ranks across examples")
+  return [Batched(a)] * len(e.outvars)
+
+
+def _reduce_window(e, ins, batch):
+  _, a = _the(ins)
+  p = e.params
+  if (p["window_dimensions"][a] != 1 or p["window_strides"][a] != 1
+      or tuple(p["padding"][a]) != (0, 0)):
+    raise NotSplittable(f"{_where(e)} pools across examples")
+  return [Batched(a)] * len(e.outvars)
+
+
+def _conv(e, ins, batch):
+  dn = e.params["dimension_numbers"]
+  if isinstance(ins[1], Batched) or e.params.get("batch_group_count", 1) != 1:
+    raise NotSplittable(f"{_where(e)} convolves with a per-example kernel")
+  if ins[0].axis != dn.lhs_spec[0]:
+    raise NotSplittable(f"{_where(e)} convolves along the batch axis")
+  return [Batched(dn.out_spec[0])]
+
+
+def _unit(e: flat.Eqn, ins: list, batch: int) -> list:
+  """custom_jvp / custom_vjp / checkpoint / scan / cond: the tags of their body."""
+  name = e.primitive.name
+  if name == "scan":
+    return _scan(e, ins, batch)
+  if name == "cond":
+    outs = None
+    if ins[0] is not None:
+      raise NotSplittable(f"{_where(e)} branches on a per-example value")
+    for branch in e.params["branches"]:
+      got = _body(branch, ins[1:], batch)
+      if outs is not None and got != outs:
+        raise NotSplittable(f"{_where(e)}: branches move the batch differently")
+      outs = got
+    return _no_combined(e, outs)
+  sub = next((v for v in e.params.values()
+              if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")), None)
+  if sub is None:
+    raise NotSplittable(f"{_where(e)}: the guard cannot see into it")
+  inner = getattr(sub, "jaxpr", sub)
+  n_in = len(inner.invars)
+  return _no_combined(e, _body(sub, ins[len(ins) - n_in:], batch))
+
+
+def _no_combined(e, outs):
+  if COMBINED in outs:
+    raise NotSplittable(f"{_where(e)} computes from batch sums inside itself")
+  return outs
+
+
+def _body(closed, ins: Sequence, batch: int) -> list:
+  """Output tags of a unit's body (its operands carry no batch sums: see `_tag`)."""
+  closed = closed if hasattr(closed, "jaxpr") else _Closed(closed)
+  prog = flat.flatten(closed)
+  tags = analyse(prog, {v: t.axis for v, t in zip(prog.invars, ins) if isinstance(t, Batched)},
+                 batch)
+  return [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Closed:
+  jaxpr: Any
+  consts: tuple = ()
+
+
+def _scan(e: flat.Eqn, ins: list, batch: int) -> list:
+  p = e.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+  x_tags = []
+  for t in xs:
+    if isinstance(t, Batched) and t.axis == 0:
+      raise NotSplittable(f"{_where(e)} scans over the batch axis")
+    x_tags.append(Batched(t.axis - 1) if isinstance(t, Batched) else t)
+  if any(isinstance(t, Reduced) for t in ins):
+    raise NotSplittable(f"{_where(e)} carries a batch sum")
+  for _ in range(3):
+    outs = _body(p["jaxpr"], [*consts, *carry, *x_tags], batch)
+    new_carry = [a if a is not None else b for a, b in zip(outs[:n_carry], carry)]
+    if any(isinstance(t, Reduced) for t in new_carry) or any(
+        a is not None and b is not None and a != b for a, b in zip(outs[:n_carry], carry)):
+      raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
+    if new_carry == list(carry):
+      break
+    carry = new_carry
+  ys = [Batched(t.axis + 1) if isinstance(t, Batched) else t for t in outs[n_carry:]]
+  return _no_combined(e, [*carry, *ys])
+
+
+_RULES = {
+    "reduce_sum": _reduce_sum,
+    **{name: _reduce_other for name in _REDUCE_OTHER},
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "transpose": _transpose,
+    "squeeze": _squeeze,
+    "dot_general": _dot_general,
+    "gather": _gather,
+    "concatenate": _concatenate,
+    "slice": _full_on_batch_axis,
+    "pad": _full_on_batch_axis,
+    "dynamic_slice": _full_on_batch_axis,
+    "conv_general_dilated": _conv,
+    "top_k": _top_k,
+    **{name: _reduce_window for name in ("reduce_window_sum", "reduce_window_max",
+                                         "reduce_window_min", "reduce_window")},
+}

@@ -1,0 +1,165 @@
+"""`jax.value_and_grad` / `jax.grad` as the guard traces a step: where a drop-in step's
+gradient is found (flax's `nnx.value_and_grad` / `nnx.grad` call these too).
+
+While a guard traces (and only in that thread and context), `jax.value_and_grad` and
+`jax.grad` are wrappers that hand the gradient to `auto_grad`: it follows the plan's
+microbatches and remat policy where the analysis allows, and says why where it does not.
+Everywhere else, and once the trace is done, they are jax's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+import jax
+
+from hbm_guard._src import auto_grad
+from hbm_guard._src import batch_axis
+from hbm_guard._src import layers as layers_lib
+from hbm_guard._src import plan as plan_lib
+
+_ACTIVE: contextvars.ContextVar[auto_grad.Context | None] = contextvars.ContextVar(
+    "hbm_guard_auto", default=None)
+_LOCK = threading.Lock()
+_DEPTH = [0]
+_ORIGINAL = {"value_and_grad": jax.value_and_grad, "grad": jax.grad}
+
+
+@contextlib.contextmanager
+def intercepting(ctx: auto_grad.Context | None) -> Iterator[None]:
+  """Routes this context's `jax.value_and_grad` / `jax.grad` calls to `auto_grad`."""
+  if ctx is None:
+    yield
+    return
+  token = _ACTIVE.set(ctx)
+  with _LOCK:
+    if _DEPTH[0] == 0:
+      jax.value_and_grad, jax.grad = _value_and_grad, _grad
+    _DEPTH[0] += 1
+  try:
+    yield
+  finally:
+    with _LOCK:
+      _DEPTH[0] -= 1
+      if _DEPTH[0] == 0:
+        jax.value_and_grad, jax.grad = _ORIGINAL["value_and_grad"], _ORIGINAL["grad"]
+    _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """jax's own gradients here (the helpers, and the loss traced inside the analysis)."""
+  token = _ACTIVE.set(None)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+@functools.wraps(_ORIGINAL["value_and_grad"])
+def _value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
+  own = _ORIGINAL["value_and_grad"](fun, argnums, has_aux=has_aux, **kw)
+  if _ACTIVE.get() is None or kw.get("holomorphic") or kw.get("reduce_axes") or kw.get(
+      "allow_int"):
+    return own
+
+  @functools.wraps(fun)
+  def value_and_grad_f(*args, **kwargs):
+    ctx = _ACTIVE.get()
+    if ctx is None:
+      return own(*args, **kwargs)
+    with suspended():
+      return _guarded(fun, argnums, has_aux, args, kwargs, ctx, own)
+  return value_and_grad_f
+
+
+@functools.wraps(_ORIGINAL["grad"])
+def _grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
+  if _ACTIVE.get() is None:
+    return _ORIGINAL["grad"](fun, argnums, has_aux=has_aux, **kw)
+  vg = _value_and_grad(fun, argnums, has_aux=has_aux, **kw)
+
+  @functools.wraps(fun)
+  def grad_once(*args, **kwargs):
+    out, g = vg(*args, **kwargs)
+    return (g, out[1]) if has_aux else g
+  return grad_once
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+  """What the analysis found in one gradient, for the report."""
+  where: str
+  batch: tuple[str, ...]
+  split: str | None  # how the loss splits, when it does exactly
+  refused: str | None  # why it does not
+  layers: str | None  # the repeated layers checkpointed under a remat plan
+
+  def describe(self) -> str:
+    parts = [f"gradient of `{self.where}`"]
+    if self.batch:
+      parts.append("batch: " + ", ".join(self.batch))
+    parts.append(self.split or f"not split: {self.refused}")
+    if self.layers:
+      parts.append(f"layers: {self.layers}")
+    return "; ".join(parts)
+
+
+def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
+  """The gradient under the plan in force; jax's own where nothing applies."""
+  before = plan_lib.reads_now()
+  try:
+    t = auto_grad.trace(fun, argnums, args, kwargs, ctx)
+  except Exception as e:  # pylint: disable=broad-except  (then jax's own, which raises its own)
+    _note(Found(_name(fun, ctx), (), None, f"the loss could not be traced alone ({e!r:.120})",
+                None))
+    return own(*args, **kwargs)
+  helpers = plan_lib.reads_now() - before  # the step's own plan-aware helpers, inside the loss
+  if "microbatches" in helpers:
+    return own(*args, **kwargs)  # the step splits its own batch
+  batch = ctx.batch_size
+  described = tuple(auto_grad._describe(x) for x in t.inputs()[2])  # pylint: disable=protected-access
+  split = refused = None
+  try:
+    if not batch:
+      raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
+                                     "arguments have no leading axis)")
+    split = auto_grad.analyse(t, batch)
+  except batch_axis.NotSplittable as e:
+    refused = str(e)
+  segments, layers = layers_lib.segments(t.prog, range(len(t.prog.eqns)),
+                                         t.prog.invars[:t.n_diff])
+  if "remat_policy" in helpers:
+    layers = None
+  found = Found(_name(fun, ctx), described, split and split.description, refused, layers)
+  _note(found)
+  k = plan_lib.plan_value("microbatches") if split is not None else 1
+  policy = plan_lib.plan_value("remat_policy") if layers else None
+  if split is not None:
+    plan_lib.note(batch_size=batch, loss_form="auto_sums")
+  if k > 1 and batch % k == 0:
+    try:
+      outs, grads = auto_grad.microbatched(t, split, batch, k, policy)
+    except batch_axis.NotSplittable as e:
+      _note(dataclasses.replace(found, split=None, refused=str(e)))
+      return own(*args, **kwargs)
+  elif policy is not None and segments:
+    outs, grads = auto_grad.rematerialised(t, policy, _ORIGINAL["value_and_grad"])
+  else:
+    return own(*args, **kwargs)
+  out, grads = auto_grad.unflatten(t, outs, grads, args)
+  return out, grads[0] if isinstance(argnums, int) else tuple(grads)
+
+
+def _name(fun, ctx) -> str:
+  name = getattr(fun, "__name__", type(fun).__name__)
+  return f"{name}` in `{ctx.step_name}"
+
+
+def _note(found: Found) -> None:
+  plan_lib.note(auto=found.describe(), auto_refused=found.refused)

@@ -1,0 +1,86 @@
+"""The repeated layers of a traced loss, as runs of equations to checkpoint one by one.
+
+Per-layer remat needs the layer boundaries of a model the guard did not write. Two
+readings of the jaxpr:
+- name stacks: Flax linen names each module call (`decoder/encoderdecoderblock_3/...`);
+  the family of `<name>_<n>` siblings covering most equations is the layers;
+- parameters: where no names are recorded (nnx), each layer reads its own parameters in
+  the same pattern; the longest repeating pattern of parameter reads marks the layers.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any, Sequence
+
+from hbm_guard._src import jaxpr_flat as flat
+
+_NUMBERED = re.compile(r"(.*?)_?(\d+)")
+_MIN_LAYERS = 2
+
+
+def segments(prog: flat.Program, indices: Sequence[int], params: Sequence[Any]
+             ) -> tuple[list[tuple[int, int]], str | None]:
+  """[start, stop) equation runs, one per layer, and a description; ([], None) if none."""
+  indices = list(indices)
+  found = _by_names(prog, indices)
+  if found[0]:
+    return found
+  return _by_parameters(prog, indices, set(params))
+
+
+def _by_names(prog, indices):
+  count: dict = collections.defaultdict(collections.Counter)
+  stacks = [prog.eqns[i].name_stack.split("/") for i in indices]
+  for parts in stacks:
+    for d, comp in enumerate(parts):
+      m = _NUMBERED.fullmatch(comp)
+      if m:
+        count[(tuple(parts[:d]), m.group(1))][comp] += 1
+  fams = [(sum(c.values()), -len(k[0]), k) for k, c in count.items() if len(c) >= _MIN_LAYERS]
+  if not fams:
+    return [], None
+  _, _, (parent, stem) = max(fams)
+  depth = len(parent)
+  member_re = re.compile(rf"{re.escape(stem)}_?\d+")
+  runs, current = [], None
+  for i, parts in zip(indices, stacks):
+    member = parts[depth] if len(parts) > depth and tuple(parts[:depth]) == parent else None
+    if member is not None and not member_re.fullmatch(member):
+      member = None
+    if member is not None and current is not None and current[0] == member:
+      current[2] = i + 1
+      continue
+    if current is not None:
+      runs.append((current[1], current[2]))
+    current = [member, i, i + 1] if member is not None else None
+  if current is not None:
+    runs.append((current[1], current[2]))
+  names = sorted(count[(parent, stem)], key=lambda s: int(re.search(r"\d+$", s).group()))
+  where = "/".join((*parent, f"{names[0]}..{names[-1].rsplit('_', 1)[-1]}"))
+  return runs, f"{where} ({len(names)} layers, by module name)"
+
+
+def _by_parameters(prog, indices, params):
+  reads = [(i, (prog.eqns[i].primitive.name, tuple(
+      tuple(v.aval.shape) for v in prog.eqns[i].invars if flat.is_var(v) and v in params)))
+           for i in indices if any(flat.is_var(v) and v in params for v in prog.eqns[i].invars)]
+  tokens = [t for _, t in reads]
+  best = None  # (coverage, period, start, repeats)
+  n = len(tokens)
+  for p in range(1, n // _MIN_LAYERS + 1):
+    run = 0
+    for j in range(n - p):
+      run = run + 1 if tokens[j] == tokens[j + p] else 0
+      repeats = run // p + 1
+      if run >= p and (best is None or repeats * p > best[0]):
+        best = (repeats * p, p, j - run + 1, repeats)
+  if best is None or best[3] < _MIN_LAYERS:
+    return [], None
+  _, p, start, repeats = best
+  starts = [reads[start + r * p][0] for r in range(repeats)]
+  after = start + repeats * p
+  end = reads[after][0] if after < n else indices[-1] + 1
+  runs = [(a, b) for a, b in zip(starts, starts[1:] + [end])]
+  return runs, f"{repeats} layers of {p} parameter reads each (by repeated structure)"

@@ -1,0 +1,352 @@
+"""Drop-in (#18): an unmodified step's jax.value_and_grad gets microbatching and remat.
+
+The steps here are written the ordinary way: Flax's lm1b shape (a loss closing over the
+batch, the token-weighted `sum(l * w) / sum(w)` with padded rows) and nnx's
+(`nnx.value_and_grad`, `nnx.Optimizer`). Memory figures are the compiler's own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+
+import hbm_guard
+from hbm_guard._src import batch_axis
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import jaxpr_flat
+from hbm_guard._src import options as options_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import steps as steps_lib
+
+VOCAB, EMB = 50, 16
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4 * EMB)(nn.LayerNorm()(x))
+    return x + nn.Dense(EMB)(nn.gelu(h))
+
+
+class LM(nn.Module):
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, EMB)(tokens)
+    for i in range(self.layers):
+      x = Block(name=f"block_{i}")(x)
+    return nn.Dense(VOCAB)(x)
+
+
+def _tokens(batch=32, seq=64, pad_from=40):
+  rng = np.random.default_rng(0)
+  tok = jnp.asarray(rng.integers(1, VOCAB, (batch, seq)), jnp.int32)
+  return tok.at[:, pad_from:].set(0).at[::3, pad_from // 2:].set(0)  # rows of other lengths
+
+
+def _linen_state(tokens):
+  model = LM()
+  params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=optax.adamw(1e-2))
+
+
+def lm1b_train_step(state, batch):
+  """Flax lm1b's train_step, in shape: the loss closes over the batch."""
+  inputs = batch["inputs"]
+  weights = jnp.where(inputs > 0, 1.0, 0.0)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs)
+    onehot = jax.nn.one_hot(inputs, VOCAB)
+    nll = -jnp.sum(onehot * jax.nn.log_softmax(logits), axis=-1)
+    loss, weight_sum = (nll * weights).sum(), weights.sum()
+    return loss / weight_sum, logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  accuracy = ((logits.argmax(-1) == inputs) * weights).sum() / weights.sum()
+  return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
+
+
+def _rel(a, b) -> float:
+  return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _donated_peak(step, *args) -> int:
+  return compile_lib.memory_of(jax.jit(step, donate_argnums=0).lower(*args).compile())["peak"]
+
+
+def _train_both(step, guarded, state, batch, n=3):
+  """n steps of plain jax.jit and of the guarded step from copies of one state."""
+  ref_state = jax.tree.map(jnp.copy, state)
+  plain = jax.jit(step)
+  outs = []
+  for _ in range(n):
+    state, got = guarded(state, batch)
+    ref_state, want = plain(ref_state, batch)
+    outs.append((got, want))
+  return state, ref_state, outs
+
+
+def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
+  tokens = _tokens()
+  state = _linen_state(tokens)
+  batch = {"inputs": tokens}
+  capacity = _donated_peak(lm1b_train_step, state, batch) // 3
+  step = hbm_guard.guarded_jit(lm1b_train_step, state_argnums=0, capacity=capacity,
+                               max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  state, ref_state, outs = _train_both(lm1b_train_step, step, state, batch)
+  assert step.plan.microbatches > 1
+  assert len(step.attempts) <= 3
+  assert step.attempts[-1].memory["peak"] <= capacity
+  for got, want in outs:
+    assert _rel(got["loss"], want["loss"]) < 1e-5
+    assert _rel(got["accuracy"], want["accuracy"]) < 1e-5
+  assert _rel(state.params, ref_state.params) < 1e-5
+  auto = step.attempts[-1].auto
+  assert "loss_fn" in auto and "2 batch sums" in auto and "exact" in auto
+  assert "int32[32, 64]" in auto and "float32[32, 64]" in auto  # tokens and their weights
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.LayerNorm(EMB, rngs=rngs)
+    self.up = nnx.Linear(EMB, 4 * EMB, rngs=rngs)
+    self.down = nnx.Linear(4 * EMB, EMB, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class NnxLM(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, EMB, rngs=rngs)
+    self.blocks = nnx.List([NnxBlock(rngs) for _ in range(3)])
+    self.head = nnx.Linear(EMB, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def _nnx_step():
+  model = NnxLM(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def loss_fn(model, batch):
+    logits = model(batch["inputs"])
+    weights = (batch["inputs"] > 0).astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["inputs"])
+    return (nll * weights).sum() / weights.sum()
+
+  def train_step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return train_step, state
+
+
+def test_nnx_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
+  train_step, state = _nnx_step()
+  batch = {"inputs": _tokens()}
+  capacity = _donated_peak(train_step, state, batch) // 3
+  step = hbm_guard.guarded_jit(train_step, state_argnums=0, capacity=capacity,
+                               max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  state, ref_state, outs = _train_both(train_step, step, state, batch)
+  assert step.plan.microbatches > 1 and len(step.attempts) <= 3
+  for got, want in outs:
+    assert _rel(got, want) < 1e-5
+  assert _rel(state, ref_state) < 1e-5
+
+
+def _built(step, plan, *args, **options):
+  builder = steps_lib.StepBuilder(step, options_lib.make(state_argnums=0, **options))
+  facts: dict = {}
+  jitted = builder.jit(plan, None, len(args), None, facts)
+  return jitted, facts
+
+
+def test_remat_of_unmodified_layers_changes_the_program_not_the_gradients():
+  tokens = _tokens(batch=8, seq=32)
+  state = _linen_state(tokens)
+  batch = {"inputs": tokens}
+  plain, facts = _built(lm1b_train_step, plan_lib.Plan(), state, batch)
+  remat, _ = _built(lm1b_train_step, plan_lib.Plan(remat_policy="nothing_saveable"), state,
+                    batch)
+  # the step was traced before under the default plan: the remat trace is its own
+  before = compile_lib.memory_of(plain.lower(state, batch).compile())
+  after = compile_lib.memory_of(remat.lower(state, batch).compile())
+  assert after["temp"] < 0.8 * before["temp"]
+  (fact,) = facts.values()
+  assert {"remat_policy", "microbatches"} <= fact.reads
+  assert "block_0..2 (3 layers" in fact.auto
+  got, _ = remat(state, batch)
+  want, _ = jax.jit(lm1b_train_step)(state, batch)
+  assert _rel(got.params, want.params) < 1e-6
+
+
+def batchnorm_step(state, batch):
+  def loss_fn(params):
+    x = batch["x"] @ params["w"]
+    mean = x.mean(axis=0)
+    var = ((x - mean) ** 2).mean(axis=0)
+    y = (x - mean) / jnp.sqrt(var + 1e-5)  # BatchNorm's batch statistics
+    return ((y - batch["y"]) ** 2).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), loss
+
+
+def contrastive_step(state, batch):
+  def loss_fn(params):
+    q = batch["a"] @ params["w"]
+    k = batch["b"] @ params["w"]
+    logits = q @ k.T  # every example against every other: in-batch negatives
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.arange(q.shape[0])).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), loss
+
+
+@pytest.mark.parametrize("step, batch, reason", [
+    (batchnorm_step, {"x": jnp.ones((64, 256)), "y": jnp.zeros((64, 256))}, "batch statistic"),
+    (contrastive_step, {"a": jnp.ones((64, 256)), "b": jnp.ones((64, 256))}, "pairs examples"),
+])
+def test_steps_whose_examples_interact_are_not_split(tmp_path, step, batch, reason):
+  state = {"w": jnp.ones((256, 256)) * 0.01}
+  capacity = _donated_peak(step, state, batch) // 2
+  guarded = hbm_guard.guarded_jit(step, state_argnums=0, capacity=capacity,
+                                  max_class="numerics", plan_cache=False,
+                                  report_dir=str(tmp_path))
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    guarded(state, batch)
+  skips = [s for a in guarded.attempts for s in a.skipped if s.rung == "microbatch"]
+  assert skips and reason in skips[0].reason
+  with open(guarded.report_path, encoding="utf-8") as f:
+    assert reason in f.read()  # the post-mortem says why the batch was not split
+
+
+def test_auto_plan_aware_false_keeps_the_helper_only_behaviour(tmp_path):
+  tokens = _tokens()
+  state = _linen_state(tokens)
+  batch = {"inputs": tokens}
+  jitted, facts = _built(lm1b_train_step, plan_lib.Plan(microbatches=4), state, batch,
+                         auto_plan_aware=False)
+  jitted.trace(state, batch)
+  (fact,) = facts.values()
+  assert fact.reads == frozenset() and fact.auto is None
+
+
+def test_jax_functions_are_jax_own_outside_and_in_other_threads():
+  own_vg, own_grad = jax.value_and_grad, jax.grad
+  tokens = _tokens(batch=8, seq=16)
+  state = _linen_state(tokens)
+  seen = []
+
+  def step(state, batch):
+    seen.append(jax.value_and_grad is own_vg)  # inside the guard's trace: intercepted
+    other = threading.Thread(target=lambda: seen.append(
+        jax.value_and_grad(lambda x: x * 2.0)(1.0)[1] == 2.0))
+    other.start()
+    other.join()
+    return lm1b_train_step(state, batch)
+
+  jitted, _ = _built(step, plan_lib.Plan(), state, {"inputs": tokens})
+  jitted.trace(state, {"inputs": tokens})
+  assert seen == [False, True]
+  assert jax.value_and_grad is own_vg and jax.grad is own_grad
+
+
+def test_helper_steps_take_precedence():
+  """A step built with hbm_guard.value_and_grad splits itself; the analysis stays out."""
+  def step(w, x):
+    vg = hbm_guard.value_and_grad(lambda w, x: jnp.mean((x @ w) ** 2), batch_argnums=1)
+    loss, g = vg(w, x)
+    return w - 0.1 * g, loss
+
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=2), jnp.ones((8, 8)),
+                         jnp.ones((16, 8)))
+  jitted.trace(jnp.ones((8, 8)), jnp.ones((16, 8)))
+  (fact,) = facts.values()
+  assert fact.loss_form == "mean" and fact.auto is None
+
+
+def _tags(fun, *args, batched=(0,)):
+  prog = jaxpr_flat.flatten(jax.make_jaxpr(fun)(*args))
+  tags = batch_axis.analyse(prog, {prog.invars[i]: 0 for i in batched}, args[batched[0]].shape[0])
+  return [tags.get(v) for v in prog.outvars]
+
+
+def test_analysis_follows_the_batch_through_the_loss():
+  x = jnp.ones((8, 4, 6))
+  w = jnp.ones((6, 3))
+  assert _tags(lambda x, w: jnp.mean(x @ w), x, w) == [batch_axis.COMBINED]
+  assert _tags(lambda x, w: jnp.sum(x @ w), x, w) == [batch_axis.SUM]
+  merged = lambda x, w: (x.reshape(32, 6) @ w).reshape(8, 4, 3)  # the batch merged with seq
+  assert _tags(merged, x, w) == [batch_axis.Batched(0)]
+  assert _tags(lambda x, w: jnp.swapaxes(x, 0, 1) @ w, x, w) == [batch_axis.Batched(1)]
+  table = jnp.ones((10, 6))
+  tokens = jnp.zeros((8, 4), jnp.int32)
+  assert _tags(lambda t, table: table[t].sum(), tokens, table) == [batch_axis.SUM]
+
+
+@pytest.mark.parametrize("loss, where", [
+    (lambda x, w: jnp.max(x @ w), "without summing"),
+    (lambda x, w: jnp.sum((x - x.mean(axis=0)) @ w), "batch statistic"),
+    (lambda x, w: jnp.sum(jnp.cumsum(x, axis=0) @ w), "along the batch axis"),
+    (lambda x, w: jnp.sum(x[:4] @ w), "part of the batch"),
+])
+def test_analysis_refuses_where_examples_interact(loss, where):
+  with pytest.raises(batch_axis.NotSplittable, match=where):
+    _tags(loss, jnp.ones((8, 4, 6)), jnp.ones((6, 3)))
+
+
+def test_a_loss_that_divides_by_the_batch_size_per_example_is_not_split():
+  """`(l / batch_size).sum()` is exact only at the batch size it was written for."""
+  def step(w, x):
+    def loss_fn(w):
+      return ((x @ w) ** 2 / x.shape[0]).sum()
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, x)
+  got = jitted(w, x)
+  (fact,) = facts.values()
+  assert "batch size as a number" in fact.auto_refused
+  want = jax.jit(step)(w, x)
+  assert _rel(got, want) < 1e-6
+
+
+def test_unmodified_train_state_update_streams_under_the_offload_rung():
+  """state.apply_gradients reaches offload_aware(tx): the state lives on the host between
+  steps, streams through the update, and training equals plain jax.jit's."""
+  tokens = _tokens(batch=8, seq=16)
+  state = _linen_state(tokens)
+  batch = {"inputs": tokens}
+  builder = steps_lib.StepBuilder(lm1b_train_step, options_lib.make(state_argnums=0))
+  builder.learn_state((state, batch), {})
+  entry = builder.plan_jit(plan_lib.Plan(offload_optimizer=True), (state, batch))
+  entry.allowed.add(builder.key((state, batch), {}))
+  got, _ = entry((jax.tree.map(jnp.copy, state), batch), {})
+  want, _ = jax.jit(lm1b_train_step)(state, batch)
+  (fact,) = entry.facts.values()
+  assert "offload_optimizer" in fact.reads and fact.optimizer_streaming == "streamed"
+  assert got.tx is state.tx  # the user's own transformation comes back
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state) if x.ndim}
+  assert kinds == {"pinned_host"}
+  assert _rel(got.params, want.params) < 1e-6
