@@ -30,20 +30,23 @@ VOCAB, EMB = 50, 16
 
 
 class Block(nn.Module):
+  width: int = EMB
+
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(4 * EMB)(nn.LayerNorm()(x))
-    return x + nn.Dense(EMB)(nn.gelu(h))
+    h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
+    return x + nn.Dense(self.width)(nn.gelu(h))
 
 
 class LM(nn.Module):
   layers: int = 3
+  width: int = EMB
 
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(VOCAB, EMB)(tokens)
+    x = nn.Embed(VOCAB, self.width)(tokens)
     for i in range(self.layers):
-      x = Block(name=f"block_{i}")(x)
+      x = Block(self.width, name=f"block_{i}")(x)
     return nn.Dense(VOCAB)(x)
 
 
@@ -53,11 +56,11 @@ def _tokens(batch=32, seq=64, pad_from=40):
   return tok.at[:, pad_from:].set(0).at[::3, pad_from // 2:].set(0)  # rows of other lengths
 
 
-def _linen_state(tokens):
-  model = LM()
+def _linen_state(tokens, width=EMB, tx=None):
+  model = LM(width=width)
   params = model.init(jax.random.PRNGKey(0), tokens)["params"]
   return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=optax.adamw(1e-2))
+                                       tx=tx or optax.adamw(1e-2))
 
 
 def lm1b_train_step(state, batch):
@@ -181,23 +184,30 @@ def _built(step, plan, *args, **options):
   return jitted, facts
 
 
-def test_remat_of_unmodified_layers_changes_the_program_not_the_gradients():
-  tokens = _tokens(batch=8, seq=32)
-  state = _linen_state(tokens)
+@pytest.mark.real_compiler
+def test_remat_of_unmodified_layers_changes_the_program_not_the_gradients(v5e_mesh1):
+  tokens = _tokens(batch=32, seq=256)
+  state = _linen_state(tokens, width=256, tx=optax.sgd(1.0))  # the update is -gradient
   batch = {"inputs": tokens}
   plain, facts = _built(lm1b_train_step, plan_lib.Plan(), state, batch)
   remat, _ = _built(lm1b_train_step, plan_lib.Plan(remat_policy="nothing_saveable"), state,
                     batch)
-  # the step was traced before under the default plan: the remat trace is its own
-  before = compile_lib.memory_of(plain.lower(state, batch).compile())
-  after = compile_lib.memory_of(remat.lower(state, batch).compile())
+  chip = jax.sharding.NamedSharding(v5e_mesh1, jax.sharding.PartitionSpec())
+  on_chip = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                                       sharding=chip), (state, batch))
+  # libtpu's figures (XLA:CPU on jax 0.10 does not lower remat's need); the step was traced
+  # under the default plan first: the remat trace is its own
+  before = compile_lib.memory_of(plain.lower(*on_chip).compile())
+  after = compile_lib.memory_of(remat.lower(*on_chip).compile())
   assert after["temp"] < 0.8 * before["temp"]
   (fact,) = facts.values()
   assert {"remat_policy", "microbatches"} <= fact.reads
   assert "block_0..2 (3 layers" in fact.auto
   got, _ = remat(state, batch)
   want, _ = jax.jit(lm1b_train_step)(state, batch)
-  assert _rel(got.params, want.params) < 1e-6
+  minus = lambda new: jax.tree.map(jnp.subtract, state.params, new.params)
+  # the gradients, to f32 rounding (the recomputed forward fuses differently: 5e-6 here)
+  assert _rel(minus(got), minus(want)) < 1e-5
 
 
 def batchnorm_step(state, batch):
