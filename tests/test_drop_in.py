@@ -7,6 +7,7 @@ batch, the token-weighted `sum(l * w) / sum(w)` with padded rows) and nnx's
 
 from __future__ import annotations
 
+import json
 import threading
 
 import jax
@@ -24,6 +25,7 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import jaxpr_flat
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import report as report_lib
 from hbm_guard._src import steps as steps_lib
 
 VOCAB, EMB = 50, 16
@@ -119,6 +121,9 @@ def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
   auto = step.attempts[-1].auto
   assert "loss_fn" in auto and "2 batch sums" in auto and "exact" in auto
   assert "int32[32, 64]" in auto and "float32[32, 64]" in auto  # tokens and their weights
+  with open(step.report_path, encoding="utf-8") as f:
+    page = report_lib.render(json.load(f))
+  assert "drop-in: gradient of `loss_fn` in `lm1b_train_step`" in page
 
 
 class NnxBlock(nnx.Module):
@@ -360,3 +365,43 @@ def test_unmodified_train_state_update_streams_under_the_offload_rung():
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state) if x.ndim}
   assert kinds == {"pinned_host"}
   assert _rel(got.params, want.params) < 1e-6
+
+
+class ScannedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return Block(256)(x), None
+
+
+class ScannedLM(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, 256)(tokens)
+    x, _ = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=4)()(x, None)
+    return nn.Dense(VOCAB)(x)
+
+
+@pytest.mark.real_compiler
+def test_remat_of_an_unmodified_nn_scan_checkpoints_its_body(v5e_mesh1):
+  tokens = _tokens(batch=32, seq=256)
+  model = ScannedLM()
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), tokens)["params"],
+      tx=optax.sgd(1.0))
+  batch = {"inputs": tokens}
+  plain, facts = _built(lm1b_train_step, plan_lib.Plan(), state, batch)
+  remat, _ = _built(lm1b_train_step, plan_lib.Plan(remat_policy="nothing_saveable"), state,
+                    batch)
+  chip = jax.sharding.NamedSharding(v5e_mesh1, jax.sharding.PartitionSpec())
+  on_chip = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                                       sharding=chip), (state, batch))
+  before = compile_lib.memory_of(plain.lower(*on_chip).compile())
+  after = compile_lib.memory_of(remat.lower(*on_chip).compile())
+  assert after["temp"] < 0.8 * before["temp"]
+  (fact,) = facts.values()
+  assert "4 scanned layers" in fact.auto
+  got, _ = remat(state, batch)
+  want, _ = jax.jit(lm1b_train_step)(state, batch)
+  minus = lambda new: jax.tree.map(jnp.subtract, state.params, new.params)
+  assert _rel(minus(got), minus(want)) < 1e-5

@@ -332,7 +332,13 @@ class _Closed:
 
 def _scan(e: flat.Eqn, ins: list, batch: int) -> list:
   p = e.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  if "num_consts" in p:
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+  else:  # newer jax: the operands' groups (consts, carry, xs) as a flat tree
+    groups = getattr(p.get("ft_in"), "elts", None)
+    if groups is None or len(groups) != 3:
+      raise NotSplittable(f"{_where(e)}: a scan the guard cannot read")
+    n_consts, n_carry = len(groups[0]), len(groups[1])
   consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
   x_tags = []
   for t in xs:

@@ -132,8 +132,13 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
     split = auto_grad.analyse(t, batch)
   except batch_axis.NotSplittable as e:
     refused = str(e)
-  segments, layers = layers_lib.segments(t.prog, range(len(t.prog.eqns)),
-                                         t.prog.invars[:t.n_diff])
+  except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)
+    refused = f"the analysis failed ({type(e).__name__}: {e!s:.120}); please report it"
+  try:
+    segments, layers = layers_lib.segments(t.prog, range(len(t.prog.eqns)),
+                                           t.prog.invars[:t.n_diff])
+  except Exception:  # pylint: disable=broad-except
+    segments, layers = [], None
   if "remat_policy" in helpers:
     layers = None
   found = Found(_name(fun, ctx), described, split and split.description, refused, layers)
@@ -142,15 +147,17 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   policy = plan_lib.plan_value("remat_policy") if layers else None
   if split is not None:
     plan_lib.note(batch_size=batch, loss_form="auto_sums")
-  if k > 1 and batch % k == 0:
-    try:
+  try:
+    if k > 1 and batch % k == 0:
       outs, grads = auto_grad.microbatched(t, split, batch, k, policy)
-    except batch_axis.NotSplittable as e:
-      _note(dataclasses.replace(found, split=None, refused=str(e)))
+    elif policy is not None and segments:
+      outs, grads = auto_grad.rematerialised(t, policy, _ORIGINAL["value_and_grad"])
+    else:
       return own(*args, **kwargs)
-  elif policy is not None and segments:
-    outs, grads = auto_grad.rematerialised(t, policy, _ORIGINAL["value_and_grad"])
-  else:
+  except Exception as e:  # pylint: disable=broad-except  (never the user's step's failure)
+    why = str(e) if isinstance(e, batch_axis.NotSplittable) else (
+        f"the rewrite failed ({type(e).__name__}: {e!s:.120}); please report it")
+    _note(dataclasses.replace(found, split=None, refused=why))
     return own(*args, **kwargs)
   out, grads = auto_grad.unflatten(t, outs, grads, args)
   return out, grads[0] if isinstance(argnums, int) else tuple(grads)

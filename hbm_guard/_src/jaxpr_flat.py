@@ -126,9 +126,10 @@ def is_var(atom) -> bool:
   return not isinstance(atom, (jcore.Literal, Const))
 
 
-def bind(e: Eqn, env: dict) -> None:
-  """Evaluates one equation into `env`, as jax's own `eval_jaxpr` does."""
-  params = e.primitive.get_bind_params(e.params)
+def bind(e: Eqn, env: dict, params: dict | None = None) -> None:
+  """Evaluates one equation into `env`, as jax's own `eval_jaxpr` does (with `params` in
+  place of its own, e.g. a scan with a checkpointed body)."""
+  params = e.primitive.get_bind_params(e.params if params is None else params)
   subfuns, bind_params = params if isinstance(params, tuple) else ([], params)
   invals = [read(v, env) for v in e.invars]
   with e.eqn.ctx.manager:
@@ -164,13 +165,15 @@ def evaluate(prog: Program, env: dict, indices: Sequence[int], targets: Sequence
   `jax.checkpoint` with a policy): its operands from outside in, what later equations or the
   targets read out.
   """
-  starts = {s: t for s, t in segments if wrap is not None}
+  starts = {s: t for s, t in segments if wrap is not None and t > s + 1}
+  bodies = {s for s, t in segments if wrap is not None and t == s + 1
+            and prog.eqns[s].primitive.name == "scan"}
   later = _later_reads(prog, indices, targets)
   pos = 0
   while pos < len(indices):
     i = indices[pos]
     if i not in starts:
-      bind(prog.eqns[i], env)
+      bind(prog.eqns[i], env, _checkpointed_body(prog.eqns[i], wrap) if i in bodies else None)
       pos += 1
       continue
     stop = starts[i]
@@ -180,6 +183,14 @@ def evaluate(prog: Program, env: dict, indices: Sequence[int], targets: Sequence
       pos += 1
     _segment(prog, env, run, later[pos] if pos < len(later) else set(), wrap)
   return [read(v, env) for v in targets]
+
+
+def _checkpointed_body(e: Eqn, wrap) -> dict:
+  """A scan's params with its body (one layer of a scanned model) under `wrap`."""
+  body = e.params["jaxpr"]
+  fun = wrap(jcore.jaxpr_as_fun(body))
+  closed = jax.make_jaxpr(lambda *xs: fun(*xs))(*[v.aval for v in body.jaxpr.invars])
+  return {**e.params, "jaxpr": closed}
 
 
 def _later_reads(prog: Program, indices: Sequence[int], targets) -> list[set]:

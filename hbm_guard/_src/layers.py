@@ -27,7 +27,21 @@ def segments(prog: flat.Program, indices: Sequence[int], params: Sequence[Any]
   found = _by_names(prog, indices)
   if found[0]:
     return found
-  return _by_parameters(prog, indices, set(params))
+  found = _by_parameters(prog, indices, set(params))
+  if found[0]:
+    return found
+  return _scanned(prog, indices, set(params))
+
+
+def _scanned(prog, indices, params):
+  """Layers stacked under `nn.scan` / `nnx.scan`: a scan over the parameters; its body is
+  one layer (checkpointed as such: a run of one scan equation)."""
+  runs = [(i, i + 1) for i in indices if prog.eqns[i].primitive.name == "scan"
+          and any(flat.is_var(v) and v in params for v in prog.eqns[i].invars)]
+  if not runs:
+    return [], None
+  lengths = [prog.eqns[i].params.get("length") for i, _ in runs]
+  return runs, f"{sum(lengths)} scanned layers (the body of {len(runs)} scan)"
 
 
 def _by_names(prog, indices):
