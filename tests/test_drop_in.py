@@ -405,3 +405,24 @@ def test_remat_of_an_unmodified_nn_scan_checkpoints_its_body(v5e_mesh1):
   want, _ = jax.jit(lm1b_train_step)(state, batch)
   minus = lambda new: jax.tree.map(jnp.subtract, state.params, new.params)
   assert _rel(minus(got), minus(want)) < 1e-5
+
+
+def test_per_example_aux_comes_back_in_the_batch_order_on_any_axis():
+  """Microbatch i holds examples i, i+k, ...; logits-like outputs are reassembled exactly,
+  also merged with the sequence ([B * L, D]) or with the batch on another axis."""
+  def step(w, x):
+    def loss(w):
+      h = jnp.tanh(x @ w)
+      merged = h.reshape(-1, h.shape[-1])
+      return (merged ** 2).sum() / x.shape[0], (h, merged, jnp.swapaxes(h, 0, 1))
+    (value, aux), g = jax.value_and_grad(loss, has_aux=True)(w)
+    return w - g, value, aux
+
+  w = jnp.asarray(np.random.default_rng(0).normal(size=(6, 6)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 3, 6)), jnp.float32)
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, x)
+  got, want = jitted(w, x), jax.jit(step)(w, x)
+  (fact,) = facts.values()
+  assert "1 batch sum" in fact.auto
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

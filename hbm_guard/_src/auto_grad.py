@@ -240,7 +240,10 @@ def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | Non
   segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
   wrap = _wrap(policy)
   diff, other, batch_vals = t.inputs()
-  parts = [x.reshape((k, batch // k) + tuple(x.shape[1:])) for x in batch_vals]
+  # Microbatch i takes examples i, i+k, i+2k, ...: a batch sharded over devices (data
+  # parallel) gives each device an equal share of every microbatch.
+  parts = [jnp.swapaxes(x.reshape((batch // k, k) + tuple(x.shape[1:])), 0, 1)
+           for x in batch_vals]
   keys = _key_slots(prog, closed.consts)
   dep = [j for j, d in enumerate(split.dep) if d]
   basis = [(j, e) for j in dep for e in range(int(np.prod(frontier[j].aval.shape)))]
@@ -273,10 +276,10 @@ def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | Non
            [[jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff] for _ in basis])
   (totals, grads), stacked = jax.lax.scan(body, zeros, (parts, jnp.arange(k)))
   totals = [s.astype(v.aval.dtype) for s, v in zip(totals, split.frontier)]
-  return _combine(t, split, totals, grads, basis, stacked)
+  return _combine(t, split, totals, grads, basis, stacked, batch // k)
 
 
-def _combine(t: _Traced, split: Split, totals, grads, basis, stacked):
+def _combine(t: _Traced, split: Split, totals, grads, basis, stacked, m: int):
   prog = t.prog
   diff, other, batch_vals = t.inputs()
   rest = [i for i in range(len(prog.outvars)) if i not in split.batched_outs]
@@ -296,8 +299,7 @@ def _combine(t: _Traced, split: Split, totals, grads, basis, stacked):
   for i, v in zip(rest, vals):
     out[i] = v
   for i, ys in zip(split.batched_outs, stacked):
-    axis = split.tags[prog.outvars[i]].axis
-    out[i] = jnp.concatenate(list(ys), axis=axis) if ys.shape[0] > 1 else ys[0]
+    out[i] = _unsplit(ys, split.tags[prog.outvars[i]].axis, m)
   result = []
   for n, (x, gd) in enumerate(zip(diff, g_direct)):
     g = gd.astype(_acc_dtype(x.dtype))
@@ -305,6 +307,18 @@ def _combine(t: _Traced, split: Split, totals, grads, basis, stacked):
       g = g + g_sums[j].reshape(-1)[e].astype(g.dtype) * grads[b][n]
     result.append(g.astype(x.dtype))
   return out, result
+
+
+def _unsplit(ys, axis: int, m: int):
+  """Per-example outputs stacked per microbatch, (k, ...), back in the batch's order:
+  microbatch i held examples i, i+k, ...; the batch (m per microbatch) is the major factor
+  of `axis`, whose other factor r (a merged sequence) stays innermost."""
+  k, shape = ys.shape[0], ys.shape[1:]
+  r = shape[axis] // m
+  x = jnp.moveaxis(ys, 0, axis)  # (..., k, m * r, ...)
+  x = x.reshape(shape[:axis] + (k, m, r) + shape[axis + 1:])
+  x = jnp.swapaxes(x, axis, axis + 1)  # (..., m, k, r, ...): example j * k + i
+  return x.reshape(shape[:axis] + (m * k * r,) + shape[axis + 1:])
 
 
 def rematerialised(t: _Traced, policy: str, vg: Callable):
