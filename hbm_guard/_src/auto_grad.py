@@ -35,9 +35,27 @@ class Context:
   batch_size: int | None  # the commonest leading size of the step's non-state arguments
   state_ids: frozenset[int]
   step_name: str = "step"
+  mesh: Any = None  # the plan shards the batch over this mesh's "fsdp" axis (data parallel)
+
+  def constraint(self, tags: dict) -> Callable[[Any, Any], Any] | None:
+    """Keeps per-example values sharded on their batch axis (data parallel), so the
+    compiler gathers parameters (FSDP) instead of the batch."""
+    if self.mesh is None:
+      return None
+    n = self.mesh.devices.size
+
+    def constrain(slot, value):
+      tag = tags.get(slot)
+      if not isinstance(tag, batch_axis.Batched) or jnp.ndim(value) <= tag.axis or (
+          jnp.shape(value)[tag.axis] % n):
+        return value
+      spec = jax.sharding.PartitionSpec(*([None] * tag.axis), "fsdp")
+      return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(self.mesh, spec))
+    return constrain
 
   @classmethod
-  def from_args(cls, args, kwargs, state_argnums, static, step_name="step") -> "Context":
+  def from_args(cls, args, kwargs, state_argnums, static, step_name="step",
+                mesh=None) -> "Context":
     state, static = set(state_argnums), set(static)
     batch = [x for i, a in enumerate(args) if i not in state and i not in static
              for x in jax.tree.leaves(a)] + jax.tree.leaves(kwargs)
@@ -45,7 +63,7 @@ class Context:
     states = [x for i in state if i < len(args) for x in jax.tree.leaves(args[i])]
     sizes = collections.Counter(int(x.shape[0]) for x in batch)
     size = sizes.most_common(1)[0][0] if sizes else None
-    return cls(size, frozenset(map(id, states)), step_name)
+    return cls(size, frozenset(map(id, states)), step_name, mesh)
 
   def is_batch(self, x) -> bool:
     """A batch leaf: the batch's leading size and not state (one of the step's own batch
@@ -212,7 +230,7 @@ def _micro_program(t: _Traced, split: Split, batch: int, k: int):
         raise batch_axis.NotSplittable(
             f"`{prog.eqns[i].primitive.name}` in {prog.eqns[i].name_stack or 'the loss'} uses "
             f"the batch size as a number in per-example work (e.g. x / batch_size before a sum)")
-  return closed, prog, frontier, outs, indices
+  return closed, prog, frontier, outs, indices, slot
 
 
 def _literal(atom):
@@ -234,9 +252,11 @@ def _key_slots(prog: flat.Program, consts) -> list[int]:
           if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32)]
 
 
-def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | None):
+def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | None,
+                 ctx: Context):
   """(outputs, gradient leaves) of the loss over k microbatches: the whole batch's."""
-  closed, prog, frontier, outs, indices = _micro_program(t, split, batch, k)
+  closed, prog, frontier, outs, indices, slot = _micro_program(t, split, batch, k)
+  constrain = ctx.constraint({slot[v]: tag for v, tag in split.tags.items() if v in slot})
   segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
   wrap = _wrap(policy)
   diff, other, batch_vals = t.inputs()
@@ -251,7 +271,7 @@ def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | Non
   def per_micro(d, micro, consts):
     env = dict(zip(prog.constvars, consts))
     env.update(zip(prog.invars, [*d, *other, *micro]))
-    vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap)
+    vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap, constrain)
     sums, bouts = vals[:len(frontier)], vals[len(frontier):]
     return [sums[j] for j in dep], (sums, bouts)
 
@@ -321,8 +341,9 @@ def _unsplit(ys, axis: int, m: int):
   return x.reshape(shape[:axis] + (m * k * r,) + shape[axis + 1:])
 
 
-def rematerialised(t: _Traced, policy: str, vg: Callable):
-  """(outputs, gradient leaves) with each repeated layer checkpointed, whole batch."""
+def whole_batch(t: _Traced, policy: str | None, vg: Callable, constrain=None):
+  """(outputs, gradient leaves) over the whole batch: each repeated layer checkpointed with
+  `policy`, per-example values kept where `constrain` puts them."""
   prog = t.prog
   indices = list(range(len(prog.eqns)))
   segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
@@ -332,7 +353,7 @@ def rematerialised(t: _Traced, policy: str, vg: Callable):
   def f(d):
     env = dict(zip(prog.constvars, t.closed.consts))
     env.update(zip(prog.invars, [*d, *other, *batch_vals]))
-    vals = flat.evaluate(prog, env, indices, list(prog.outvars), segments, wrap)
+    vals = flat.evaluate(prog, env, indices, list(prog.outvars), segments, wrap, constrain)
     return vals[0], vals
 
   (_, vals), grads = vg(f, has_aux=True)(diff)

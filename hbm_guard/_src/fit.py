@@ -256,7 +256,9 @@ class Fit:
       if not capacity:
         return ladder_lib.next_plan(o.ladder, plan, facts, rec, o.max_class) + (None,)
       self._planner = planner_lib.Planner(
-          self._probe, lambda p: self.step.flops(p, self.args, self.kwargs), capacity,
+          self._probe,
+          lambda p: self.step.flops(p, self.args, self.kwargs, len(self.backend.devices())),
+          capacity,
           scale=self.backend.probe_scale, exact=self.backend.exact_probes,
           headroom=o.headroom)
     self._last = (plan, facts)

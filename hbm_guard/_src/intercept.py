@@ -147,11 +147,13 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   policy = plan_lib.plan_value("remat_policy") if layers else None
   if split is not None:
     plan_lib.note(batch_size=batch, loss_form="auto_sums")
+  constrain = ctx.constraint(split.tags) if split is not None else None
   try:
     if k > 1 and batch % k == 0:
-      outs, grads = auto_grad.microbatched(t, split, batch, k, policy)
-    elif policy is not None and segments:
-      outs, grads = auto_grad.rematerialised(t, policy, _ORIGINAL["value_and_grad"])
+      outs, grads = auto_grad.microbatched(t, split, batch, k, policy, ctx)
+    elif (policy is not None and segments) or constrain is not None:
+      outs, grads = auto_grad.whole_batch(t, policy if segments else None,
+                                          _ORIGINAL["value_and_grad"], constrain)
     else:
       return own(*args, **kwargs)
   except Exception as e:  # pylint: disable=broad-except  (never the user's step's failure)

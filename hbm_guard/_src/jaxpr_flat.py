@@ -158,12 +158,14 @@ Segments = Sequence[tuple[int, int]]  # [start, stop) runs of equation indices
 
 
 def evaluate(prog: Program, env: dict, indices: Sequence[int], targets: Sequence[Any],
-             segments: Segments = (), wrap: Callable | None = None) -> list[Any]:
+             segments: Segments = (), wrap: Callable | None = None,
+             constrain: Callable[[Any, Any], Any] | None = None) -> list[Any]:
   """Evaluates `indices` (in order) into `env` and returns `targets`.
 
   Each run in `segments` is evaluated as one function passed through `wrap` (e.g.
   `jax.checkpoint` with a policy): its operands from outside in, what later equations or the
-  targets read out.
+  targets read out. `constrain(slot, value)` replaces each value computed (a sharding
+  constraint).
   """
   starts = {s: t for s, t in segments if wrap is not None and t > s + 1}
   bodies = {s for s, t in segments if wrap is not None and t == s + 1
@@ -174,6 +176,7 @@ def evaluate(prog: Program, env: dict, indices: Sequence[int], targets: Sequence
     i = indices[pos]
     if i not in starts:
       bind(prog.eqns[i], env, _checkpointed_body(prog.eqns[i], wrap) if i in bodies else None)
+      _constrain(prog.eqns[i], env, constrain)
       pos += 1
       continue
     stop = starts[i]
@@ -181,7 +184,7 @@ def evaluate(prog: Program, env: dict, indices: Sequence[int], targets: Sequence
     while pos < len(indices) and indices[pos] < stop:
       run.append(indices[pos])
       pos += 1
-    _segment(prog, env, run, later[pos] if pos < len(later) else set(), wrap)
+    _segment(prog, env, run, later[pos] if pos < len(later) else set(), wrap, constrain)
   return [read(v, env) for v in targets]
 
 
@@ -204,7 +207,14 @@ def _later_reads(prog: Program, indices: Sequence[int], targets) -> list[set]:
   return out
 
 
-def _segment(prog: Program, env: dict, run: list[int], read_after: set, wrap) -> None:
+def _constrain(e: Eqn, env: dict, constrain) -> None:
+  if constrain is not None:
+    for v in e.outvars:
+      env[v] = constrain(v, env[v])
+
+
+def _segment(prog: Program, env: dict, run: list[int], read_after: set, wrap,
+             constrain=None) -> None:
   defined = {v for i in run for v in prog.eqns[i].outvars}
   ins = list(dict.fromkeys(v for i in run for v in prog.eqns[i].invars
                            if is_var(v) and v not in defined))
@@ -214,6 +224,7 @@ def _segment(prog: Program, env: dict, run: list[int], read_after: set, wrap) ->
     local = dict(zip(ins, vals))
     for i in run:
       bind(prog.eqns[i], local)
+      _constrain(prog.eqns[i], local, constrain)
     return [local[v] for v in outs]
 
   env.update(zip(outs, wrap(body)(*[env[v] for v in ins])))

@@ -44,8 +44,10 @@ def fsdp_spec(shape, n: int) -> P:
 
 
 def plan_layout(plan: plan_lib.Plan, args, state_argnums: Iterable[int], devices,
-                offload_filter: Callable[[str], bool]) -> dict[int, Any] | None:
-  """Shardings for the state arguments under `plan`: FSDP, host offload, or None."""
+                offload_filter: Callable[[str], bool], static_argnums: Iterable[int] = ()
+                ) -> dict[int, Any] | None:
+  """Shardings under `plan`: the state FSDP-sharded and/or offloaded; with `shard_batch`,
+  the batch over the same devices (data parallel: each takes its share of the examples)."""
   state_argnums = tuple(state_argnums)
   if not (plan.shard_state or plan.offload_optimizer) or not state_argnums:
     return None
@@ -57,7 +59,50 @@ def plan_layout(plan: plan_lib.Plan, args, state_argnums: Iterable[int], devices
     spec = fsdp_spec(np.shape(x), n) if plan.shard_state else P()
     return NamedSharding(mesh, spec, memory_kind="pinned_host" if host else "device")
 
-  return {i: jax.tree_util.tree_map_with_path(leaf, args[i]) for i in state_argnums}
+  out = {i: jax.tree_util.tree_map_with_path(leaf, args[i]) for i in state_argnums}
+  if n > 1 and plan.shard_batch:
+    out.update(batch_layout(args, set(state_argnums) | set(static_argnums), mesh, n))
+  return out
+
+
+def batch_size(args, skip: Iterable[int]) -> int | None:
+  """The batch: the commonest leading size of the arguments outside `skip` (state, static)."""
+  skip = set(skip)
+  sizes = [int(np.shape(x)[0]) for i, a in enumerate(args) if i not in skip
+           for x in jax.tree_util.tree_leaves(a) if np.ndim(x) >= 1 and hasattr(x, "dtype")]
+  return max(set(sizes), key=sizes.count) if sizes else None
+
+
+def batch_layout(args, skip: Iterable[int], mesh, n: int) -> dict[int, Any]:
+  """The batch's leaves split over the mesh on their leading axis, when it divides."""
+  skip = set(skip)
+  size = batch_size(args, skip)
+  if size is None or size % n:
+    return {}
+
+  def leaf(x):
+    batched = np.ndim(x) >= 1 and hasattr(x, "dtype") and np.shape(x)[0] == size
+    return NamedSharding(mesh, P("fsdp") if batched else P())
+
+  return {i: jax.tree.map(leaf, a) for i, a in enumerate(args) if i not in skip}
+
+
+def batch_mesh(layout: Layout | None, state_argnums: Iterable[int]):
+  """The mesh the layout shards the batch over (data parallel), or None."""
+  state = set(state_argnums)
+  for i, tree in (layout or {}).items():
+    if i in state:
+      continue
+    for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding)):
+      if isinstance(s, NamedSharding) and tuple(s.spec)[:1] == ("fsdp",):
+        return s.mesh
+  return None
+
+
+def batch_sharded(plan: plan_lib.Plan, args, skip: Iterable[int], n: int) -> bool:
+  """Whether `plan_layout` shards the batch of these arguments over n devices."""
+  size = batch_size(args, skip)
+  return bool(plan.shard_state and plan.shard_batch and n > 1 and size and size % n == 0)
 
 
 def out_shardings(layout: Layout, replaced: tuple[tuple[int, int | None], ...],

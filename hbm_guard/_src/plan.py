@@ -27,6 +27,7 @@ _RUNG_NAME = re.compile(r"[\w.\-]{1,128}")
 FIELD_RUNGS = (
     ("donate_argnums", "donate", lambda v: "donate"),
     ("shard_state", "reshard_fsdp", lambda v: "reshard_fsdp"),
+    ("shard_batch", "reshard_fsdp", lambda v: "data_parallel"),
     ("remat_policy", "layer_remat", lambda v: f"layer_remat({v})"),
     ("microbatches", "microbatch", lambda v: f"microbatch({v})"),
     ("offload_optimizer", "offload_optimizer", lambda v: "offload_optimizer"),
@@ -40,6 +41,7 @@ class Plan:
   donate_argnums: tuple[int, ...] = ()
   compiler_options: tuple[tuple[str, Any], ...] = ()
   shard_state: bool = False
+  shard_batch: bool = False  # with shard_state: the batch too (data parallel, FSDP proper)
   remat_policy: str | None = None  # a name in jax.checkpoint_policies; None: no remat
   microbatches: int = 1
   compute_dtype: str | None = None  # None: the model's own dtype
@@ -145,9 +147,11 @@ def _check_fields(plan: Plan) -> None:
         or not isinstance(item[1], (bool, int, float, str))
         or (isinstance(item[1], str) and len(item[1]) > 256)):
       bad("compiler_options", "XLA option names with a bool, number or short string each")
-  for field in ("shard_state", "offload_optimizer"):
+  for field in ("shard_state", "shard_batch", "offload_optimizer"):
     if not isinstance(getattr(plan, field), bool):
       bad(field, "true or false")
+  if plan.shard_batch and not plan.shard_state:
+    bad("shard_batch", "only with shard_state (the batch is sharded over the state's devices)")
   if not _is_int(plan.microbatches) or not 1 <= plan.microbatches <= MAX_MICROBATCHES:
     bad("microbatches", f"an int from 1 to {MAX_MICROBATCHES}")
   if plan.remat_policy is not None and (

@@ -55,7 +55,7 @@ def check(plan: plan_lib.Plan, *, rungs: Sequence[ladder_lib.Rung], max_class: s
             f"{source} donates argument(s) {extra}, which are not among state_argnums or "
             f"donate_argnums ({sorted(set(donatable))}): the caller may still hold them.")
   if plan.shard_state:
-    need("reshard", "resharding the state")
+    need("reshard", "resharding the state" + (" and the batch" if plan.shard_batch else ""))
   if plan.remat_policy is not None:
     policies = {p for r in allowed if r.kind == "remat"
                 for p in (r.policies or ("nothing_saveable",))}

@@ -94,6 +94,7 @@ class Planner:
     self._cost: dict[plan_lib.Plan, float | None] = {}
     self.failed: set[plan_lib.Plan] = set()
     self.optimistic_tried = False
+    self.data_parallel_failed = False  # a data-parallel plan its probe said fits did not
 
   # -- figures --------------------------------------------------------------------------
 
@@ -118,6 +119,12 @@ class Planner:
       if real_bytes:
         self._real[_key(plan)] = real_bytes
     probe = self._need.get(_key(plan))
+    if plan.shard_batch and not fits:
+      # Gathering each layer's parameters whole is what libtpu's early check sees least
+      # of (a probe read 1.15 MiB where the compile needed 3.07): its ratio would condemn
+      # every other plan. Keep it out, and offer the batch sharded no more in this fit.
+      self.data_parallel_failed = True
+      return
     if real_bytes and probe and not (fits and real_bytes / probe < 1.0):
       # A fit's ratio below 1 says nothing about how low probes run: keep it out.
       self._ratios.append(real_bytes / probe)
@@ -255,7 +262,7 @@ def divisors(n: int | None, current: int = 1) -> list[int]:
 
 
 def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
-             facts: ladder_lib.StepFacts, max_class: str
+             facts: ladder_lib.StepFacts, max_class: str, data_parallel_failed: bool = False
              ) -> tuple[list[plan_lib.Plan], list[int], list[ladder_lib.Skip]]:
   """Candidate families (microbatch count aside) and the counts to search, from the rungs
   this step can take. Free rungs are always on: they cost no compute."""
@@ -282,10 +289,20 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
       offloads = [False, True]
     elif rung.kind == "microbatch":
       counts = divisors(facts.batch_size, plan.microbatches)
+  # With the state sharded, the batch can be too (data parallel: a quarter of the work per
+  # chip on four). It is a choice, not a rule: it gathers each layer's parameters whole,
+  # which a model of few large layers may not afford where splitting the features does.
+  batch = facts.batch_size
+  shards = [base.shard_batch]
+  if (base.shard_state and not base.shard_batch and batch and facts.num_devices > 1
+      and batch % facts.num_devices == 0 and not data_parallel_failed):
+    shards = [False, True]
   out = []
   for policy in policies:
     for offload in dict.fromkeys(offloads):
-      out.append(dataclasses.replace(base, remat_policy=policy, offload_optimizer=offload))
+      for shard_batch in shards:
+        out.append(dataclasses.replace(base, remat_policy=policy, offload_optimizer=offload,
+                                       shard_batch=shard_batch))
   return out, counts, skips
 
 
@@ -300,7 +317,10 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
   """The planner's choice after `plan` failed; the ladder's remaining rungs (XLA flags,
   dtype) from the plan that came closest when no planned plan is predicted to fit."""
   n_probes = len(planner.probes)
-  fams, counts, skips = families(rungs, plan, facts, max_class)
+  if plan.shard_batch and planner.data_parallel_failed:
+    plan = dataclasses.replace(plan, shard_batch=False)  # back to the features split
+  fams, counts, skips = families(rungs, plan, facts, max_class,
+                                 planner.data_parallel_failed)
   choice = planner.choose(fams, counts, facts.offload_bytes)
   if choice is None and planner.scale > 1.0 and not planner.optimistic_tried:
     planner.optimistic_tried = True  # once: a miss here means the margin is real

@@ -82,9 +82,9 @@ class StepBuilder:
 
   def layout(self, plan: plan_lib.Plan, args, devices) -> dict[int, Any] | None:
     return layout_lib.plan_layout(plan, args, [i for i, _ in self.replaced], devices,
-                                  self.options.offload_filter)
+                                  self.options.offload_filter, self.static(len(args)))
 
-  def _traced(self, plan: plan_lib.Plan, allowed, facts):
+  def _traced(self, plan: plan_lib.Plan, allowed, facts, mesh=None):
     fun, state_argnums = self.fun, self.options.state_argnums
 
     @functools.wraps(fun)
@@ -93,8 +93,8 @@ class StepBuilder:
       if allowed is not None and key not in allowed:
         raise NewSignature(key)
       auto = auto_grad.Context.from_args(
-          args, kwargs, state_argnums, self.static(len(args)),
-          self.name) if self.options.auto_plan_aware else None
+          args, kwargs, state_argnums, self.static(len(args)), self.name,
+          mesh) if self.options.auto_plan_aware else None
       with plan_lib.plan_scope(plan) as scope, intercept.intercepting(auto):
         if auto is None:
           out = fun(*args, **kwargs)
@@ -126,7 +126,8 @@ class StepBuilder:
       static = set(self.static(nargs))
       kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
       kw["out_shardings"] = layout_lib.out_shardings(layout, self.replaced, self.n_outputs)
-    return jax.jit(self._traced(plan, allowed, {} if facts is None else facts), **kw)
+    mesh = layout_lib.batch_mesh(layout, [i for i, _ in self.replaced]) if layout else None
+    return jax.jit(self._traced(plan, allowed, {} if facts is None else facts, mesh), **kw)
 
   def plan_jit(self, plan: plan_lib.Plan, args) -> PlanJit:
     """The local jit object for `plan` (one per plan and, with a layout, state structure)."""
@@ -155,9 +156,19 @@ class StepBuilder:
       self.learn(next(iter(facts.values())))
     return out
 
-  def flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
-    """The step's compute under `plan` (one batch, no placement), by the compiler's count."""
+  def flops(self, plan: plan_lib.Plan, args, kwargs, n_devices: int = 1) -> float | None:
+    """The step's compute per device under `plan`, by the compiler's count of the whole
+    batch's program: a plan that shards the batch over n devices does 1/n of it on each;
+    one that leaves it replicated does all of it on every device."""
+    flops = self._flops(plan, args, kwargs)
+    skip = {i for i, _ in self.replaced} | set(self.static(len(args)))
+    if flops and layout_lib.batch_sharded(plan, args, skip, n_devices):
+      return flops / n_devices
+    return flops
+
+  def _flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
     local = dataclasses.replace(plan, offload_optimizer=False, shard_state=False,
+                                shard_batch=False,
                                 donate_argnums=(), compiler_options=())
     try:
       analysis = self.jit(local, None, len(args)).lower(*args, **kwargs).cost_analysis()
