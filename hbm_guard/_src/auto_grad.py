@@ -80,7 +80,7 @@ def _is_key(x) -> bool:
     return False
 
 
-def _describe(x) -> str:
+def describe_leaf(x) -> str:
   return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
 
@@ -170,7 +170,7 @@ def analyse(t: _Traced, batch: int) -> Split:
   for c in t.closed.consts:
     if isinstance(c, jax.core.Tracer) and getattr(c, "ndim", 0) >= 1 and c.shape[0] == batch:
       raise batch_axis.NotSplittable(
-          f"a batch-sized value {_describe(c)} reaches the loss other than through its "
+          f"a batch-sized value {describe_leaf(c)} reaches the loss other than through its "
           f"arguments or closure (pass it as an argument)")
   tags = batch_axis.analyse(prog, {v: 0 for v in batch_slots}, batch)
   outs = [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]

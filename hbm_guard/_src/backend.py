@@ -148,7 +148,7 @@ class TargetBackend(_Base):
     devices = self.devices()
     layout = self.step.layout(plan, args, devices)
     facts: dict = {}
-    jitted = self.step.jit(plan, layout, len(args), None, facts)
+    jitted = self.step.jit(plan, layout, len(args), None, facts, devices)
     targs, tkw = self.step.abstract(args, kwargs, layout, devices)
     options = dict(plan.compiler_options)
     capacity = self.options.budget

@@ -259,11 +259,11 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
       still hold an argument the guard cannot see.
     report_dir: where the post-mortem JSON goes (default $HBM_GUARD_REPORT_DIR or
       ./hbm_guard_reports); written atomically after every attempt.
-    auto_fallback: False: diagnose and report, change nothing, and raise (the compiler's
-      own error, or CapacityExceededError for `capacity=`). A bool, nothing else.
-    plan_cache: a directory remembering the plan that fit each program and input
-      signature, so a restarted job compiles once and fails none; True/None: $HBM_GUARD_PLAN_CACHE,
-      else ~/.cache/hbm_guard/plans; False (or "off"): no cache.
+    auto_fallback: False: diagnose, report, change nothing and raise (the compiler's own
+      error, or CapacityExceededError for `capacity=`). A bool only.
+    plan_cache: a directory remembering the plan that fit each program and signature (a
+      restart compiles once); True/None: $HBM_GUARD_PLAN_CACHE or ~/.cache/hbm_guard/plans;
+      False or "off": none.
     plan: the plan to start from: a `Plan`, its dict, a JSON file (as the report's
       `final_plan`), or a report. It must stay within these options (its rungs within
       `max_class`, donation within `state_argnums`). With `auto_fallback=False` the plan
@@ -275,9 +275,7 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
     plan_cache_retry_exhausted: climb again even when the plan cache remembers that
       nothing fit this program.
     options: a `GuardOptions` holding all of the above (and `max_fit_seconds`, `progress`,
-      `auto_plan_aware`: False keeps an unmodified step off the microbatch and remat
-      rungs); keyword arguments given as well
-      replace its fields.
+      `auto_plan_aware`: False, helpers only); keyword arguments replace its fields.
     **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
 
   Example:

@@ -123,7 +123,7 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   if "microbatches" in helpers:
     return own(*args, **kwargs)  # the step splits its own batch
   batch = ctx.batch_size
-  described = tuple(auto_grad._describe(x) for x in t.inputs()[2])  # pylint: disable=protected-access
+  described = tuple(auto_grad.describe_leaf(x) for x in t.inputs()[2])
   split = refused = None
   try:
     if not batch:

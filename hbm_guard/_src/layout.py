@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import user_shardings
 
 Layout = Mapping[int, Any]  # argnum -> a tree of NamedSharding like that argument
 
@@ -116,8 +117,10 @@ def out_shardings(layout: Layout, replaced: tuple[tuple[int, int | None], ...],
 
 
 def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[int],
-                  static_argnames: Iterable[str], devices=None):
-  """Arguments to lower with: state as planned; on a target's devices, the rest replicated."""
+                  static_argnames: Iterable[str], devices=None,
+                  given: Mapping[int, Any] | None = None):
+  """Arguments to lower with: state as planned; on a target's devices, the rest as `given`
+  (the user's in_shardings, mapped there), else as the argument is placed, else replicated."""
   static, static_names = set(static_argnums), set(static_argnames)
   mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",)) if devices is not None else None
 
@@ -128,7 +131,11 @@ def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[
                                 sharding=sharding, weak_type=weak)
 
   def other(x):
-    return abstract(x, NamedSharding(mesh, P())) if mesh is not None else x
+    if mesh is None:
+      return x
+    own = user_shardings.own(x)
+    return abstract(x, user_shardings.on_devices(own, devices) if own is not None
+                    else NamedSharding(mesh, P()))
 
   out = []
   for i, a in enumerate(args):
@@ -136,6 +143,8 @@ def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[
       out.append(a)
     elif layout and i in layout:
       out.append(jax.tree.map(abstract, a, layout[i]))
+    elif given and i in given and mesh is not None:
+      out.append(jax.tree.map(abstract, a, user_shardings.broadcast(given[i], a)))
     else:
       out.append(jax.tree.map(other, a))
   kw = {k: (v if k in static_names else jax.tree.map(other, v)) for k, v in kwargs.items()}

@@ -23,6 +23,7 @@ from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import trace as trace_lib
+from hbm_guard._src import user_shardings
 
 
 class NewSignature(Exception):
@@ -71,9 +72,14 @@ class StepBuilder:
                                self.options.static_argnames)
 
   def abstract(self, args, kwargs, layout, devices=None):
-    """The arguments as shapes and dtypes placed by `layout` (for a compile, not a run)."""
+    """The arguments as shapes and dtypes placed by `layout` (for a compile, not a run); on
+    a target's devices, the rest where the user's own shardings put them."""
+    given = {}
+    if devices is not None:
+      kw = user_shardings.jit_kwargs_on(self.options.jax_jit_kwargs(), devices)
+      given = user_shardings.for_args(kw, args, self.static(len(args)))
     return layout_lib.abstract_args(args, kwargs, layout, self.static(len(args)),
-                                    self.options.static_argnames, devices)
+                                    self.options.static_argnames, devices, given)
 
   def learn(self, facts: compile_lib.TraceFacts | None) -> None:
     """The replaced state, from the first trace that saw it (the same for every plan)."""
@@ -113,9 +119,13 @@ class StepBuilder:
 
     return traced
 
-  def jit(self, plan: plan_lib.Plan, layout=None, nargs: int = 0, allowed=None, facts=None):
-    """A new `jax.jit` of the step under `plan` (`allowed` None: any signature)."""
+  def jit(self, plan: plan_lib.Plan, layout=None, nargs: int = 0, allowed=None, facts=None,
+          devices=None):
+    """A new `jax.jit` of the step under `plan` (`allowed` None: any signature), for
+    `devices` (a target's) when given: the user's shardings rebuilt over them."""
     kw = self.options.jax_jit_kwargs()
+    if devices is not None:
+      kw = user_shardings.jit_kwargs_on(kw, devices)
     donate = tuple(sorted(set(self.options.user_donate) | set(plan.donate_argnums)))
     if donate:
       kw["donate_argnums"] = donate

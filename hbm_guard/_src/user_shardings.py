@@ -1,0 +1,96 @@
+"""The user's own shardings, on the devices a compile is for.
+
+A multi-chip step passes `in_shardings` / `out_shardings` (NamedShardings over a Mesh) or
+arguments already placed. Compiled ahead of time for a target, the same mesh shape and axis
+names are built over the target's devices, by position, and the user's PartitionSpecs kept:
+the layout the job asked for, on the chips it will run on. A mesh of another size than the
+target is an error naming both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from hbm_guard._src import errors
+
+_KEYS = ("in_shardings", "out_shardings")
+
+
+def _is_sharding(x) -> bool:
+  return isinstance(x, jax.sharding.Sharding)
+
+
+def _is_leaf(x) -> bool:
+  return x is None or _is_sharding(x)
+
+
+def on_devices(sharding: Any, devices: Sequence[Any], what: str = "in_shardings") -> Any:
+  """`sharding` (a Sharding, or a pytree of them and None) over `devices`."""
+  mapped = {}
+
+  def one(s):
+    if not _is_sharding(s):
+      return s
+    if id(s) not in mapped:
+      mapped[id(s)] = _one(s, devices, what)
+    return mapped[id(s)]
+  return jax.tree.map(one, sharding, is_leaf=_is_leaf)
+
+
+def _one(s, devices, what):
+  devices = list(devices)
+  if isinstance(s, SingleDeviceSharding):
+    return NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), P(),
+                         memory_kind=s.memory_kind)
+  if not isinstance(s, NamedSharding):
+    raise errors.InvalidOptionError(
+        f"hbm_guard: {what} holds a {type(s).__name__}; with target= give NamedShardings "
+        f"over a Mesh, which the guard rebuilds over the target's devices.")
+  mesh = s.mesh
+  if set(mesh.devices.flat) <= set(devices):
+    return s  # already over the target's devices
+  if mesh.devices.size != len(devices):
+    raise errors.InvalidOptionError(
+        f"hbm_guard: {what} use a mesh of {mesh.devices.size} devices "
+        f"{dict(mesh.shape)}; the target has {len(devices)}: build the mesh with as many "
+        f"devices as the target has chips.")
+  target = jax.sharding.Mesh(np.array(devices).reshape(mesh.devices.shape), mesh.axis_names)
+  return NamedSharding(target, s.spec, memory_kind=s.memory_kind)
+
+
+def jit_kwargs_on(kw: dict[str, Any], devices: Sequence[Any]) -> dict[str, Any]:
+  """jax.jit's keyword arguments with the user's shardings over `devices`."""
+  out = dict(kw)
+  for key in _KEYS:
+    if out.get(key) is not None:
+      out[key] = on_devices(out[key], devices, key)
+  return out
+
+
+def for_args(kw: dict[str, Any], args: tuple, static: Sequence[int]) -> dict[int, Any]:
+  """argnum -> the user's in_shardings for it (a prefix tree), where they are given."""
+  given = kw.get("in_shardings")
+  if given is None:
+    return {}
+  dynamic = [i for i in range(len(args)) if i not in set(static)]
+  if _is_sharding(given):
+    return {i: given for i in dynamic}
+  given = tuple(given)
+  return {i: s for i, s in zip(dynamic, given) if s is not None}
+
+
+def own(x) -> Any:
+  """The sharding an argument already carries (a placed array or ShapeDtypeStruct)."""
+  s = getattr(x, "sharding", None)
+  return s if isinstance(s, NamedSharding) else None
+
+
+def broadcast(prefix, tree):
+  """A sharding prefix tree (one sharding for a whole argument, or one per leaf) spread
+  over `tree`'s leaves."""
+  return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
+                      is_leaf=_is_leaf)
