@@ -20,6 +20,7 @@ from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import targets as targets_lib
+from hbm_guard._src import user_shardings
 
 MiB = 1 << 20
 PROBE_LIMIT_MIB = 1  # libtpu's early check fails a compile given this limit in seconds
@@ -75,7 +76,8 @@ class _Base:
         platform=self.platform, num_devices=len(devices), plan_reads=tf.reads,
         state_argnums=replaced, state_bytes=sum(layout_lib.nbytes(args[i]) for i in replaced),
         batch_size=tf.batch_size, has_host_memory=has_host,
-        can_reshard="in_shardings" not in self.options.jit_kwargs,
+        can_reshard=user_shardings.extendable(self.options.jit_kwargs),
+        user_layout="in_shardings" in self.options.jit_kwargs,
         offload_bytes=sum(layout_lib.offload_bytes(args[i], self.options.offload_filter)
                           for i in replaced),
         auto_refused=tf.auto_refused)

@@ -130,7 +130,8 @@ class StepFacts:
   state_bytes: int  # bytes of those arguments
   batch_size: int | None  # as a plan-aware helper saw it
   has_host_memory: bool = False
-  can_reshard: bool = True  # False when the user fixed in_shardings
+  can_reshard: bool = True  # False when the user's in_shardings are not NamedShardings
+  user_layout: bool = False  # the user gave in_shardings: resharding extends them
   offload_bytes: int = 0  # state bytes the offload filter selects (optimizer state)
   auto_refused: str | None = None  # why the drop-in analysis did not split the batch
 
@@ -181,7 +182,7 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
     if facts.num_devices < 2:
       return SkipKind.NOT_APPLICABLE, f"needs several devices; {facts.num_devices} present"
     if not facts.can_reshard:
-      return SkipKind.NOT_APPLICABLE, "in_shardings were given to guarded_jit: the guard does not override them"
+      return SkipKind.NOT_APPLICABLE, "in_shardings that are not NamedShardings were given to guarded_jit: the guard cannot extend them"
     if not facts.state_argnums:
       return SkipKind.NOT_APPLICABLE, "no state argument to shard (pass state_argnums=...)"
     if plan.shard_state:
@@ -201,7 +202,7 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
     if not facts.offload_bytes:
       return SkipKind.NOT_APPLICABLE, "no optimizer state among the state arguments (see offload_filter)"
     if not facts.can_reshard:
-      return SkipKind.NOT_APPLICABLE, "in_shardings were given to guarded_jit: the guard does not override them"
+      return SkipKind.NOT_APPLICABLE, "in_shardings that are not NamedShardings were given to guarded_jit: the guard cannot extend them"
     if plan.offload_optimizer:
       return SkipKind.ALREADY_APPLIED, "already offloaded"
   if rung.kind == "dtype" and plan.compute_dtype == rung.dtype:

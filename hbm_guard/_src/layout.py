@@ -45,8 +45,8 @@ def fsdp_spec(shape, n: int) -> P:
 
 
 def plan_layout(plan: plan_lib.Plan, args, state_argnums: Iterable[int], devices,
-                offload_filter: Callable[[str], bool], static_argnums: Iterable[int] = ()
-                ) -> dict[int, Any] | None:
+                offload_filter: Callable[[str], bool], static_argnums: Iterable[int] = (),
+                given: Mapping[int, Any] | None = None) -> dict[int, Any] | None:
   """Shardings under `plan`: the state FSDP-sharded and/or offloaded; with `shard_batch`,
   the batch over the same devices (data parallel: each takes its share of the examples)."""
   state_argnums = tuple(state_argnums)
@@ -60,7 +60,18 @@ def plan_layout(plan: plan_lib.Plan, args, state_argnums: Iterable[int], devices
     spec = fsdp_spec(np.shape(x), n) if plan.shard_state else P()
     return NamedSharding(mesh, spec, memory_kind="pinned_host" if host else "device")
 
-  out = {i: jax.tree_util.tree_map_with_path(leaf, args[i]) for i in state_argnums}
+  given = given or {}
+
+  def extended(path, x, s):
+    host = plan.offload_optimizer and offload_filter(jax.tree_util.keystr(path))
+    spec = user_shardings.extend_fsdp(s, np.shape(x)) if plan.shard_state else s.spec
+    return NamedSharding(s.mesh, spec,
+                         memory_kind="pinned_host" if host else (s.memory_kind or "device"))
+
+  out = {i: (jax.tree_util.tree_map_with_path(extended, args[i], given[i]) if i in given
+             else jax.tree_util.tree_map_with_path(leaf, args[i])) for i in state_argnums}
+  if given:  # the user's layout: the batch stays where they put it
+    return out
   if n > 1 and plan.shard_batch:
     out.update(batch_layout(args, set(state_argnums) | set(static_argnums), mesh, n))
   return out

@@ -295,7 +295,8 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
   batch = facts.batch_size
   shards = [base.shard_batch]
   if (base.shard_state and not base.shard_batch and batch and facts.num_devices > 1
-      and batch % facts.num_devices == 0 and not data_parallel_failed):
+      and batch % facts.num_devices == 0 and not data_parallel_failed
+      and not facts.user_layout):
     shards = [False, True]
   out = []
   for policy in policies:

@@ -18,6 +18,7 @@ import numpy as np
 from hbm_guard._src import auto_grad
 from hbm_guard._src import auto_offload
 from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import errors
 from hbm_guard._src import intercept
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
@@ -87,8 +88,14 @@ class StepBuilder:
       self.replaced, self.n_outputs = facts.replaced, facts.n_outputs
 
   def layout(self, plan: plan_lib.Plan, args, devices) -> dict[int, Any] | None:
+    kw = self.options.jax_jit_kwargs()
+    try:
+      kw = user_shardings.jit_kwargs_on(kw, devices)
+    except errors.InvalidOptionError:
+      pass  # a mesh over a target's chips, laid out for this host: as the user gave it
+    given = user_shardings.per_leaf(kw, args, self.static(len(args)))
     return layout_lib.plan_layout(plan, args, [i for i, _ in self.replaced], devices,
-                                  self.options.offload_filter, self.static(len(args)))
+                                  self.options.offload_filter, self.static(len(args)), given)
 
   def _traced(self, plan: plan_lib.Plan, allowed, facts, mesh=None):
     fun, state_argnums = self.fun, self.options.state_argnums
@@ -134,8 +141,12 @@ class StepBuilder:
                                 **dict(plan.compiler_options)}
     if layout:
       static = set(self.static(nargs))
-      kw["in_shardings"] = tuple(layout.get(i) for i in range(nargs) if i not in static)
-      kw["out_shardings"] = layout_lib.out_shardings(layout, self.replaced, self.n_outputs)
+      user = user_shardings.for_args(kw, range(nargs), static)
+      kw["in_shardings"] = tuple(layout.get(i, user.get(i)) for i in range(nargs)
+                                 if i not in static)
+      kw["out_shardings"] = user_shardings.merge_outputs(
+          layout_lib.out_shardings(layout, self.replaced, self.n_outputs),
+          kw.get("out_shardings"))
     mesh = layout_lib.batch_mesh(layout, [i for i, _ in self.replaced]) if layout else None
     return jax.jit(self._traced(plan, allowed, {} if facts is None else facts, mesh), **kw)
 

@@ -83,6 +83,55 @@ def for_args(kw: dict[str, Any], args: tuple, static: Sequence[int]) -> dict[int
   return {i: s for i, s in zip(dynamic, given) if s is not None}
 
 
+def per_leaf(kw: dict[str, Any], args: tuple, static: Sequence[int]) -> dict[int, Any]:
+  """argnum -> a tree of NamedShardings like that argument: the user's in_shardings, else
+  the shardings its arrays already carry (every leaf placed on a mesh)."""
+  given = for_args(kw, args, static)
+  out = {i: broadcast(s, args[i]) for i, s in given.items()}
+  for i, a in enumerate(args):
+    if i in out or i in set(static):
+      continue
+    leaves = jax.tree.leaves(a)
+    owns = [own(x) for x in leaves]
+    if leaves and all(s is not None and s.mesh.devices.size > 1 for s in owns):
+      out[i] = jax.tree.map(own, a)
+  return out
+
+
+def extendable(kw: dict[str, Any]) -> bool:
+  """Whether the guard can build on the user's in_shardings: NamedShardings (or none)."""
+  given = kw.get("in_shardings")
+  return all(isinstance(s, NamedSharding)
+             for s in jax.tree.leaves(given, is_leaf=_is_sharding) if s is not None)
+
+
+def extend_fsdp(s: NamedSharding, shape: Sequence[int]) -> P:
+  """The user's spec with the mesh axes it leaves a leaf replicated over sharding the
+  leaf's largest dimension they divide (FSDP over what the user did not use)."""
+  spec = list(s.spec) + [None] * (len(shape) - len(s.spec))
+  used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+  free = tuple(a for a in s.mesh.axis_names if a not in used and s.mesh.shape[a] > 1)
+  if not free:
+    return s.spec
+  n = int(np.prod([s.mesh.shape[a] for a in free]))
+  for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    entry = spec[d]
+    have = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    size = int(np.prod([s.mesh.shape[a] for a in have])) if have else 1
+    if shape[d] % (size * n) == 0:
+      axes = have + free
+      spec[d] = axes[0] if len(axes) == 1 else axes
+      return P(*spec)
+  return s.spec
+
+
+def merge_outputs(planned, user):
+  """The plan's out_shardings (its state) with the user's for the other outputs."""
+  if user is None or not isinstance(planned, tuple) or not isinstance(user, (tuple, list)):
+    return planned
+  return tuple(p if p is not None else u for p, u in zip(planned, user))
+
+
 def own(x) -> Any:
   """The sharding an argument already carries (a placed array or ShapeDtypeStruct)."""
   s = getattr(x, "sharding", None)
