@@ -20,11 +20,14 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hbm_guard
 from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import targets as targets_lib
 from hbm_guard.integrations import flax as hg_flax
 
 
@@ -110,12 +113,29 @@ def abstract_args(s: Size, model_class=LM):
   return state, {"inputs": tokens, "targets": tokens}, n
 
 
-def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = False):
+def own_shardings(target: str, state, batch):
+  """Hand-written FSDP, as a multi-chip job passes it: a ("data", "fsdp") mesh over the
+  target's chips, each state leaf's largest dimension over "fsdp", the batch over "data"."""
+  devices = np.array(targets_lib.Target.parse(target).devices())
+  mesh = jax.sharding.Mesh(devices.reshape(-1, 2), ("data", "fsdp"))
+
+  def spec(x):
+    dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
+    d = next((d for d in dims if x.shape[d] % 2 == 0), None)
+    return NamedSharding(mesh, P(*[("fsdp" if i == d else None) for i in range(x.ndim)]))
+  state_s = jax.tree.map(spec, state)
+  batch_s = jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batch)
+  return {"in_shardings": (state_s, batch_s), "out_shardings": (state_s, None)}
+
+
+def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = False,
+        own: bool = False):
   state, batch, n = abstract_args(s, PlainLM if unmodified else LM)
   step = plain_train_step if unmodified else hg_flax.train_step(loss_fn)
+  shardings = own_shardings(target, state, batch) if own else {}
   g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                             plan_cache=False, max_fit_seconds=max_fit_seconds,
-                            report_dir=tempfile.mkdtemp())
+                            report_dir=tempfile.mkdtemp(), **shardings)
   t0 = time.perf_counter()
   plan, error = None, None
   try:
@@ -131,7 +151,7 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
   if plan is not None:  # one compile of the plan found, in the same process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                                   plan_cache=False, plan=plan, auto_fallback=False,
-                                  report_dir=tempfile.mkdtemp())
+                                  report_dir=tempfile.mkdtemp(), **shardings)
     t1 = time.perf_counter()
     again.fit(state, batch)
     row["one_compile_seconds"] = time.perf_counter() - t1
@@ -168,16 +188,18 @@ def main():
   p.add_argument("--skip-halving", action="store_true")
   p.add_argument("--unmodified", action="store_true",
                  help="fit a step written without hbm_guard (the drop-in analysis)")
+  p.add_argument("--own-shardings", action="store_true",
+                 help="pass hand-written FSDP in/out_shardings over the target's chips")
   a = p.parse_args()
   s = Size(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Size)})
   print(f"jax {jax.__version__}, {s}, target {a.target}", flush=True)
-  r = fit(s, a.target, a.max_fit_seconds, a.unmodified)
+  r = fit(s, a.target, a.max_fit_seconds, a.unmodified, a.own_shardings)
   print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles, "
         f"{r['probes']} probes ({r['probe_seconds']:.0f} s); fit {r['fit_seconds']:.0f} s; "
         f"plan {r['plan']}; {r.get('error') or ''}", flush=True)
   if "ratio" in r:
     print(f"one compile of that plan: {r['one_compile_seconds']:.0f} s; fit / compile = "
-          f"{r['ratio']:.2f}; peak {hbm_guard.format_bytes(r['peak'])}", flush=True)
+          f"{r['ratio']:.2f}; peak {hbm_guard.format_bytes(r['peak'])} per chip", flush=True)
   if not a.skip_halving:
     h = halving(s, a.target)
     print(f"batch halving: {h['compiles']} compiles, {h['seconds']:.0f} s, ends at batch "
