@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hbm_guard
+from hbm_guard._src import report as report_lib
 from hbm_guard._src import user_shardings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +64,12 @@ def test_fsdp_over_the_targets_devices_fits_and_the_guard_extends_it(target_mesh
   plan = g.fit(*abstract(state_s, batch_s))
   assert plan.shard_state and len(g.attempts) <= 2
   assert g.attempts[-1].memory["peak"] <= CAPACITY  # per chip, the compiler's figure
+  with open(g.report_path, encoding="utf-8") as f:
+    page = report_lib.render(json.load(f))
+  # the layout before (the user's) and after (extended over "data")
+  assert "state 0['w1'] float32[1024, 4096]: sharded P('fsdp', None)" in page
+  assert "state 0['w1'] float32[1024, 4096]: sharded P('fsdp', 'data')" in page
+  assert "argument 1 float32[256, 1024]: sharded P('data',)" in page
 
 
 @pytest.mark.real_compiler

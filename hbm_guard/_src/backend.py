@@ -82,11 +82,12 @@ class _Base:
                           for i in replaced),
         auto_refused=tf.auto_refused)
 
-  def _trial(self, plan, compile_fn, facts_fn, capacity) -> compile_lib.Trial:
+  def _trial(self, plan, compile_fn, facts_fn, capacity, placed=()) -> compile_lib.Trial:
     trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,
                                     name=self.step.name)
     self.step.learn(trial.facts)
-    return trial
+    layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
+    return dataclasses.replace(trial, layout=layout)
 
 
 class LocalBackend(_Base):
@@ -120,7 +121,7 @@ class LocalBackend(_Base):
     largs, lkw = self.step.abstract(args, kwargs, entry.layout) if entry.layout else (args, kwargs)
     try:
       return self._trial(plan, lambda: entry.jitted.lower(*largs, **lkw).compile(),
-                         lambda: entry.facts.get(key), self.capacity(args))
+                         lambda: entry.facts.get(key), self.capacity(args), largs)
     finally:
       entry.allowed.discard(key)  # admitted again by the guard if this plan is chosen
 
@@ -161,7 +162,7 @@ class TargetBackend(_Base):
     if probe or targets_lib.compiler_counts_arguments(self.target):
       capacity = None  # libtpu's own verdict at that limit counts arguments too
     return self._trial(plan, lambda: jitted.lower(*targs, **tkw).compile(options),
-                       lambda: facts.get(key), capacity)
+                       lambda: facts.get(key), capacity, targs)
 
 
 def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):

@@ -44,6 +44,7 @@ class Attempt:
   planning: Any = None  # planner.Planning: the probes that chose the next plan, and why
   optimizer_streaming: str | None = None  # offloaded state: per parameter, or whole
   auto: str | None = None  # what the drop-in analysis did with the step's gradient
+  layout: tuple[str, ...] = ()  # where the batch and the largest state leaves were put
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -51,6 +52,7 @@ class Attempt:
         "outcome": compile_lib.Outcome(self.outcome).value, "seconds": round(self.seconds, 3),
         "signature": self.signature, "loss_form": self.loss_form,
         "optimizer_streaming": self.optimizer_streaming, "auto": self.auto,
+        "layout": list(self.layout),
         "record": self.record.to_dict() if self.record else None,
         "diagnosis": self.diagnosis.to_dict() if self.diagnosis else None,
         "memory": self.memory,
@@ -101,7 +103,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     if trial.outcome is compile_lib.Outcome.FITS:
       attempt = Attempt(number, plan, compile_lib.Outcome.FITS, trial.seconds, memory=trial.memory,
                         signature=signature, loss_form=loss_form,
-                        optimizer_streaming=streaming, auto=auto)
+                        optimizer_streaming=streaming, auto=auto, layout=trial.layout)
       attempts.append(attempt)
       on_attempt(attempt)
       return Result(Status.FITS, plan, tuple(attempts), trial)
@@ -120,7 +122,8 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     if auto_fallback:
       nxt = hosts_lib.agree_plan(nxt)  # process 0 decides, for every process
     attempt = Attempt(number, plan, compile_lib.Outcome.OOM, trial.seconds, rec, diag, trial.memory,
-                      tuple(skips), signature, loss_form, planning, streaming, auto)
+                      tuple(skips), signature, loss_form, planning, streaming, auto,
+                      trial.layout)
     attempts.append(attempt)
     on_attempt(attempt)
     if not auto_fallback:

@@ -54,6 +54,7 @@ class Trial:
   memory: dict[str, int] | None = None
   error: BaseException | None = None  # the compiler's own error, to chain or re-raise
   uneven: errors.UnevenMicrobatchError | None = None
+  layout: tuple[str, ...] = ()  # where the compile put the batch and the largest state
 
 
 def memory_of(compiled) -> dict[str, int] | None:

@@ -162,6 +162,25 @@ def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[
   return tuple(out), kw
 
 
+def describe(args, state_argnums: Iterable[int], top: int = 2) -> tuple[str, ...]:
+  """Where a compile put the batch and the largest state leaves, for the report."""
+  state, out = set(state_argnums), []
+  for i, a in enumerate(args):
+    leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(a)[0]
+              if hasattr(x, "shape") and hasattr(x, "dtype")]
+    if i in state:
+      leaves = sorted(leaves, key=lambda px: -nbytes(px[1]))
+    for path, x in leaves[:top]:
+      s = getattr(x, "sharding", None)
+      spec = getattr(s, "spec", None)
+      where = ("one device" if spec is None else "replicated" if all(e is None for e in spec)
+               else f"sharded {spec}")
+      host = " (host)" if getattr(s, "memory_kind", None) == "pinned_host" else ""
+      out.append(f"{'state' if i in state else 'argument'} {i}{jax.tree_util.keystr(path)} "
+                 f"{np.dtype(x.dtype).name}{list(np.shape(x))}: {where}{host}")
+  return tuple(out)
+
+
 def place(args, layout: Layout | None):
   """Moves the caller's state arguments to the planned layout (a no-op once there)."""
   if not layout:

@@ -223,9 +223,13 @@ _STREAMING = {
 
 
 def forms(attempt: dict[str, Any]) -> list[str]:
-  """How the step's loss and offloaded state were handled, where the plan made it matter."""
+  """How the step's loss and offloaded state were handled, and where the batch and the
+  largest state leaves were placed, where the plan made it matter."""
   plan = attempt.get("plan") or {}
   out = []
+  layout = [line for line in attempt.get("layout") or () if isinstance(line, str)][:8]
+  if any("sharded" in line or "(host)" in line for line in layout):
+    out += [f"layout: {line}" for line in layout]
   auto = attempt.get("auto")
   if isinstance(auto, str) and (plan.get("microbatches", 1) > 1 or plan.get("remat_policy")):
     out.append(f"drop-in: {auto}")
