@@ -189,30 +189,35 @@ def _built(step, plan, *args, **options):
   return jitted, facts
 
 
+def _remat_on_chip(state, batch, mesh):
+  """The default plan's and nothing_saveable remat's temporaries by libtpu (XLA:CPU on jax
+  0.10 does not lower remat's need), the remat step traced after a default-plan trace;
+  then the trace's facts and the relative difference of the SGD(1.0) updates (gradients)."""
+  plain, facts = _built(lm1b_train_step, plan_lib.Plan(), state, batch)
+  remat, _ = _built(lm1b_train_step, plan_lib.Plan(remat_policy="nothing_saveable"), state,
+                    batch)
+  chip = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  on_chip = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                                       sharding=chip), (state, batch))
+  before = compile_lib.memory_of(plain.lower(*on_chip).compile())["temp"]
+  after = compile_lib.memory_of(remat.lower(*on_chip).compile())["temp"]
+  (fact,) = facts.values()
+  got, _ = remat(state, batch)
+  want, _ = jax.jit(lm1b_train_step)(state, batch)
+  minus = lambda new: jax.tree.map(jnp.subtract, state.params, new.params)  # noqa: E731
+  return before, after, fact, _rel(minus(got), minus(want))
+
+
 @pytest.mark.real_compiler
 def test_remat_of_unmodified_layers_changes_the_program_not_the_gradients(v5e_mesh1):
   tokens = _tokens(batch=32, seq=256)
   state = _linen_state(tokens, width=256, tx=optax.sgd(1.0))  # the update is -gradient
-  batch = {"inputs": tokens}
-  plain, facts = _built(lm1b_train_step, plan_lib.Plan(), state, batch)
-  remat, _ = _built(lm1b_train_step, plan_lib.Plan(remat_policy="nothing_saveable"), state,
-                    batch)
-  chip = jax.sharding.NamedSharding(v5e_mesh1, jax.sharding.PartitionSpec())
-  on_chip = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
-                                                       sharding=chip), (state, batch))
-  # libtpu's figures (XLA:CPU on jax 0.10 does not lower remat's need); the step was traced
-  # under the default plan first: the remat trace is its own
-  before = compile_lib.memory_of(plain.lower(*on_chip).compile())
-  after = compile_lib.memory_of(remat.lower(*on_chip).compile())
-  assert after["temp"] < 0.8 * before["temp"]
-  (fact,) = facts.values()
+  before, after, fact, rel = _remat_on_chip(state, {"inputs": tokens}, v5e_mesh1)
+  assert after < 0.8 * before
   assert {"remat_policy", "microbatches"} <= fact.reads
   assert "block_0..2 (3 layers" in fact.auto
-  got, _ = remat(state, batch)
-  want, _ = jax.jit(lm1b_train_step)(state, batch)
-  minus = lambda new: jax.tree.map(jnp.subtract, state.params, new.params)
   # the gradients, to f32 rounding (the recomputed forward fuses differently: 5e-6 here)
-  assert _rel(minus(got), minus(want)) < 1e-5
+  assert rel < 1e-5
 
 
 def batchnorm_step(state, batch):
@@ -389,22 +394,10 @@ def test_remat_of_an_unmodified_nn_scan_checkpoints_its_body(v5e_mesh1):
   state = train_state.TrainState.create(
       apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), tokens)["params"],
       tx=optax.sgd(1.0))
-  batch = {"inputs": tokens}
-  plain, facts = _built(lm1b_train_step, plan_lib.Plan(), state, batch)
-  remat, _ = _built(lm1b_train_step, plan_lib.Plan(remat_policy="nothing_saveable"), state,
-                    batch)
-  chip = jax.sharding.NamedSharding(v5e_mesh1, jax.sharding.PartitionSpec())
-  on_chip = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
-                                                       sharding=chip), (state, batch))
-  before = compile_lib.memory_of(plain.lower(*on_chip).compile())
-  after = compile_lib.memory_of(remat.lower(*on_chip).compile())
-  assert after["temp"] < 0.8 * before["temp"]
-  (fact,) = facts.values()
+  before, after, fact, rel = _remat_on_chip(state, {"inputs": tokens}, v5e_mesh1)
+  assert after < 0.8 * before
   assert "4 scanned layers" in fact.auto
-  got, _ = remat(state, batch)
-  want, _ = jax.jit(lm1b_train_step)(state, batch)
-  minus = lambda new: jax.tree.map(jnp.subtract, state.params, new.params)
-  assert _rel(minus(got), minus(want)) < 1e-5
+  assert rel < 1e-5
 
 
 def test_per_example_aux_comes_back_in_the_batch_order_on_any_axis():

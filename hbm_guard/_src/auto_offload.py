@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Any, Iterator, Sequence
 
 import jax
 
 from hbm_guard._src import offload
+from hbm_guard._src import swap
 
-_LOCK = threading.Lock()
-_DEPTH = [0]
-_ORIGINAL: dict[str, Any] = {}
+_SWAP = swap.WhileTracing()
 
 
 def _is_train_state(x) -> bool:
@@ -62,22 +60,12 @@ def nnx_optimizers() -> Iterator[None]:
   if cls is None:
     yield
     return
-  with _LOCK:
-    if _DEPTH[0] == 0:
-      _ORIGINAL["update"] = cls.update
-      cls.update = _aware_update
-    _DEPTH[0] += 1
-  try:
+  with _SWAP.swapped(cls, {"update": _aware_update}):
     yield
-  finally:
-    with _LOCK:
-      _DEPTH[0] -= 1
-      if _DEPTH[0] == 0:
-        cls.update = _ORIGINAL.pop("update")
 
 
 def _aware_update(self, *args, **kwargs):
-  original = _ORIGINAL["update"]
+  original = _SWAP.original("update")
   tx = getattr(self, "tx", None)
   if not hasattr(tx, "_replace"):
     return original(self, *args, **kwargs)

@@ -13,7 +13,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import threading
 from typing import Any, Callable, Iterator
 
 import jax
@@ -22,11 +21,11 @@ from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
 from hbm_guard._src import layers as layers_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import swap
 
 _ACTIVE: contextvars.ContextVar[auto_grad.Context | None] = contextvars.ContextVar(
     "hbm_guard_auto", default=None)
-_LOCK = threading.Lock()
-_DEPTH = [0]
+_SWAP = swap.WhileTracing()
 _ORIGINAL = {"value_and_grad": jax.value_and_grad, "grad": jax.grad}
 
 
@@ -37,17 +36,10 @@ def intercepting(ctx: auto_grad.Context | None) -> Iterator[None]:
     yield
     return
   token = _ACTIVE.set(ctx)
-  with _LOCK:
-    if _DEPTH[0] == 0:
-      jax.value_and_grad, jax.grad = _value_and_grad, _grad
-    _DEPTH[0] += 1
   try:
-    yield
+    with _SWAP.swapped(jax, {"value_and_grad": _value_and_grad, "grad": _grad}):
+      yield
   finally:
-    with _LOCK:
-      _DEPTH[0] -= 1
-      if _DEPTH[0] == 0:
-        jax.value_and_grad, jax.grad = _ORIGINAL["value_and_grad"], _ORIGINAL["grad"]
     _ACTIVE.reset(token)
 
 
