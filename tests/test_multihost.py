@@ -22,13 +22,16 @@ def _run(capacities):
                              cap], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=env) for i, cap in enumerate(capacities)]
   outs = []
-  for p in procs:
-    try:
-      out, err = p.communicate(timeout=300)  # a hang fails here, not forever
-    finally:
-      for q in procs:
-        if q.poll() is None:
-          q.kill()
+  results = []
+  try:
+    for p in procs:
+      results.append(p.communicate(timeout=300))  # a hang fails here, not forever
+  finally:
+    for q in procs:  # only a failure or a hang leaves one running
+      if q.poll() is None:
+        q.kill()
+  outs = []
+  for p, (out, err) in zip(procs, results):
     assert p.returncode == 0, err[-3000:]
     outs.append(json.loads(out.strip().splitlines()[-1]))
   return outs
