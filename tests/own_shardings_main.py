@@ -10,10 +10,56 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hbm_guard  # noqa: E402
 from hbm_guard._src import compile as compile_lib  # noqa: E402
 from tests import test_own_shardings as own  # noqa: E402
+
+
+def explicit_step(state, batch):
+  """The same step in jax's explicit-sharding style: FSDP gathers each weight itself."""
+  def loss(p):
+    w1, w2 = jax.sharding.reshard(p["w1"], P()), jax.sharding.reshard(p["w2"], P())
+    return ((jnp.tanh(batch @ w1) @ w2) ** 2).mean()
+  value, grads = jax.value_and_grad(loss)(state)
+  return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), value
+
+
+def explicit(report_dir):
+  """Under `jax.set_mesh` with Explicit axes: shardings carried by the arguments only."""
+  mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+  state_s, batch_s = own.fsdp_shardings(mesh)
+  with jax.set_mesh(mesh):
+    target = hbm_guard.guarded_jit(explicit_step, state_argnums=0, target="v5e:2x2",
+                                   capacity=own.CAPACITY, report_dir=report_dir)
+    target.fit(*own.abstract(state_s, batch_s))
+    state, batch = jax.device_put(own.arrays(), (state_s, batch_s))
+    plain = compile_lib.memory_of(jax.jit(explicit_step).lower(state, batch).compile())
+    # the step's own reshard gathers each weight whole on every device: donation is what
+    # is left to take (96.5 -> 72.5 MiB here)
+    capacity = plain["peak"] * 4 // 5
+    local = hbm_guard.guarded_jit(explicit_step, state_argnums=0, capacity=capacity,
+                                  report_dir=report_dir)
+    ref = jax.jit(explicit_step)(state, batch)
+    got = local(jax.tree.map(jnp.copy, state), batch)
+    typed = hbm_guard.guarded_jit(own.step, state_argnums=0, target="v5e:2x2",
+                                  capacity=own.CAPACITY, report_dir=report_dir)
+    whole = jax.tree.map(lambda _: NamedSharding(mesh, P()), state_s)
+    try:
+      typed.fit(*own.abstract(whole, batch_s))
+    except hbm_guard.LadderExhaustedError:
+      pass
+    refused = [s.reason for s in typed.attempts[0].skipped if s.rung == "reshard_fsdp"]
+  return {"explicit_refused": refused[0] if refused else "",
+          "explicit_target": [a.outcome for a in target.attempts],
+          "explicit_target_peak": target.attempts[-1].memory["peak"],
+          "explicit_local": [a.outcome for a in local.attempts],
+          "explicit_local_peak": local.attempts[-1].memory["peak"],
+          "explicit_local_capacity": capacity,
+          "explicit_same": bool(np.allclose(np.asarray(got[0]["w1"]), np.asarray(ref[0]["w1"]),
+                                            rtol=1e-5, atol=1e-6)
+                                and np.allclose(got[1], ref[1], rtol=1e-5))}
 
 
 def main():
@@ -36,6 +82,7 @@ def main():
   ref = jax.jit(own.step)(state, batch)
   got = local(jax.tree.map(jnp.copy, placed[0]), placed[1])
   print(json.dumps({
+      **explicit(report_dir),
       "target_plan": target_plan.to_dict(), "target_compiles": len(target.attempts),
       "target_peak": target.attempts[-1].memory["peak"],
       "local_plan": local.plan.to_dict(), "local_compiles": len(local.attempts),

@@ -80,6 +80,26 @@ def test_arguments_that_carry_the_shardings_need_no_in_shardings(target_mesh, tm
   assert g.fit(*abstract(state_s, batch_s)) == hbm_guard.Plan()  # fits as the user laid out
 
 
+def scaled_step(state, batch, *, scale):
+  def loss(p):
+    return ((jnp.tanh(batch @ p["w1"]) @ p["w2"]) ** 2).mean() * scale
+  value, grads = jax.value_and_grad(loss)(state)
+  return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), value
+
+
+@pytest.mark.real_compiler
+def test_a_step_called_with_keywords_is_resharded_too(target_mesh, tmp_path):
+  # A plan's layout gives jax.jit in_shardings, and jax then refuses keyword arguments
+  # ("pjit does not support kwargs when in_shardings is specified").
+  state_s, batch_s = fsdp_shardings(target_mesh)
+  whole = jax.tree.map(lambda s: NamedSharding(target_mesh, P()), state_s)
+  state, batch = abstract(whole, batch_s)
+  g = hbm_guard.guarded_jit(scaled_step, state_argnums=0, target="v5e:2x2",
+                            capacity=CAPACITY, report_dir=str(tmp_path))
+  plan = g.fit(state, batch, scale=jax.ShapeDtypeStruct((), jnp.float32))
+  assert plan.shard_state and g.attempts[-1].memory["peak"] <= CAPACITY
+
+
 @pytest.mark.real_compiler
 def test_a_mesh_of_another_size_than_the_target_is_a_clear_error(v5e_devices, tmp_path):
   mesh = jax.sharding.Mesh(np.array(v5e_devices[:2]), ("fsdp",))
@@ -100,17 +120,36 @@ def test_resharding_shards_what_the_user_left_replicated():
   assert extend(P("fsdp"), (6,)) == P("fsdp")  # nothing divides: as the user gave it
 
 
-def test_over_four_local_devices_mapped_onto_the_target_and_run_here(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", HG_REPORT_DIR=str(tmp_path),
+@pytest.fixture(name="four_devices", scope="module")
+def _four_devices(tmp_path_factory):
+  """tests/own_shardings_main.py run once, with 4 local CPU devices: what it printed."""
+  env = dict(os.environ, HG_REPORT_DIR=str(tmp_path_factory.mktemp("reports")),
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  env.pop("JAX_PLATFORMS")  # libtpu compiles for the target; the step runs on the CPU
+  env.pop("JAX_PLATFORMS", None)  # libtpu compiles for the target; the step runs on the CPU
   proc = subprocess.run([sys.executable, "-m", "tests.own_shardings_main"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_over_four_local_devices_mapped_onto_the_target_and_run_here(four_devices):
+  out = four_devices
   assert out["target_plan"]["shard_state"] and out["target_compiles"] <= 2
   assert out["target_peak"] <= CAPACITY
   assert out["local_plan"]["shard_state"] and out["local_compiles"] <= 3
   assert out["local_peak"] <= out["local_capacity"]
   assert out["w1_spec"] in ("PartitionSpec('fsdp', 'data')", "P('fsdp', 'data')")
   assert out["same"]
+
+
+def test_jax_set_mesh_with_explicit_axes_fits_for_the_target_and_here(four_devices):
+  # The context mesh is over the 4 local devices; the target compile traces under the same
+  # mesh over the target's chips (else jax: "context mesh ... should match the aval mesh").
+  out = four_devices
+  assert out["explicit_target"][0] == "oom" and out["explicit_target"][-1] == "fits"
+  assert out["explicit_target_peak"] <= CAPACITY
+  assert out["explicit_local"][0] == "oom" and out["explicit_local"][-1] == "fits"
+  assert out["explicit_local_peak"] <= out["explicit_local_capacity"]
+  assert out["explicit_same"]
+  # a step that does not gather its weights itself: its types refuse them sharded further
+  assert "refuse its state sharded further" in out["explicit_refused"]

@@ -74,7 +74,24 @@ def test_dear_probes_without_a_real_figure_probe_both_ends():
   planner = _dear_planner(per_probe=120.0, probes=probes)
   planner._real.clear()  # pylint: disable=protected-access  (as if the failure had no figure)
   choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
-  assert choice.plan.microbatches == 8 and probes == [16, 1]
+  assert choice.plan.microbatches == 8 and probes == [16, 2]  # k = 2: the fewest split
+
+
+def test_another_familys_failure_is_no_anchor():
+  # The plain step failed low (an unsplit program, no donation); the donated family's split
+  # program holds more at k = 2 than that figure: the model must be anchored in the family.
+  probes = []
+  def probe(plan):
+    probes.append(plan.microbatches)
+    return int((8 + 24 / plan.microbatches) * 2**30)  # 20 GiB at k = 2, 9.5 at 16
+  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+                                scale=1.0, clock=_Clock(120.0))
+  planner.observe(hbm_guard.Plan(), real_bytes=int(19.37 * 2**30), fits=False, seconds=60.0)
+  donated = hbm_guard.Plan(donate_argnums=(0,))
+  choice = planner.choose([donated], [1, 2, 4, 8, 16], offload_bytes=0)
+  # Anchored on the plain figure, k = 2 would be predicted at 14.0 GiB and fail; in the
+  # family, 8 + 24/4 = 14 GiB <= 0.95 x 15.75 at k = 4.
+  assert probes == [16, 2] and choice.plan.microbatches == 4
 
 
 def test_a_slow_failed_compile_makes_probes_dear_before_any_probe():

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+from jax._src import core as jax_core
 
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import ladder as ladder_lib
@@ -23,6 +24,8 @@ from hbm_guard._src import targets as targets_lib
 from hbm_guard._src import user_shardings
 
 MiB = 1 << 20
+# jax's error for a program its sharding types refuse (not public; every jax we support has it)
+_SHARDING_TYPE_ERROR = getattr(jax_core, "ShardingTypeError", TypeError)
 PROBE_LIMIT_MIB = 1  # libtpu's early check fails a compile given this limit in seconds
 
 
@@ -42,7 +45,7 @@ class Backend(Protocol):
   def compile(self, plan: plan_lib.Plan, key, args, kwargs, *, probe: bool = False
               ) -> compile_lib.Trial: ...
 
-  def step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts: ...
+  def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts: ...
 
 
 class _Base:
@@ -53,6 +56,7 @@ class _Base:
 
   def __init__(self, step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
     self.step, self.options = step, options
+    self._refused: dict[Any, str | None] = {}  # signature -> why resharding is refused
 
   def devices(self) -> list[Any]:
     raise NotImplementedError
@@ -63,7 +67,7 @@ class _Base:
       plan = dataclasses.replace(plan, compiler_options=())
     return plan
 
-  def step_facts(self, args, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
+  def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
     devices = self.devices()
     tf = trial.facts or compile_lib.TraceFacts()
     replaced = tuple(i for i, _ in tf.replaced)
@@ -77,10 +81,35 @@ class _Base:
         state_argnums=replaced, state_bytes=sum(layout_lib.nbytes(args[i]) for i in replaced),
         batch_size=tf.batch_size, has_host_memory=has_host,
         can_reshard=user_shardings.extendable(self.options.jit_kwargs),
-        user_layout="in_shardings" in self.options.jit_kwargs,
+        reshard_refused=self._reshard_refused(args, kwargs),
+        user_layout=bool(user_shardings.per_leaf(self.options.jit_kwargs, args,
+                                                 self.step.static(len(args)))),
         offload_bytes=sum(layout_lib.offload_bytes(args[i], self.options.offload_filter)
                           for i in replaced),
-        auto_refused=tf.auto_refused)
+        auto_refused=tf.auto_refused, gradient_seen=tf.auto is not None)
+
+  def _reshard_refused(self, args, kwargs) -> str | None:
+    """Why the step's own types refuse its state sharded further, or None. Under Explicit
+    axes a step type-checks against its inputs' shardings: traced once to find out."""
+    static = self.step.static(len(args))
+    if not user_shardings.explicit(user_shardings.per_leaf(self.options.jit_kwargs, args,
+                                                           static)):
+      return None
+    key = self.step.key(args, kwargs)
+    if key not in self._refused:
+      plan, devices = plan_lib.Plan(shard_state=True), self.devices()
+      layout = self.step.layout(plan, args, devices)
+      jitted = self.step.jit(plan, layout, len(args), None, {}, devices)
+      targs, tkw = self.step.abstract(args, kwargs, layout, devices)
+      self._refused[key] = None
+      try:
+        with user_shardings.context_on(devices):
+          jitted.trace(*targs, **tkw)
+      except _SHARDING_TYPE_ERROR as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self._refused[key] = (f"under Explicit mesh axes the step's types refuse its state "
+                              f"sharded further ({first[:200]})")
+    return self._refused[key]
 
   def _trial(self, plan, compile_fn, facts_fn, capacity, placed=()) -> compile_lib.Trial:
     trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,
@@ -161,8 +190,10 @@ class TargetBackend(_Base):
       options["xla_tpu_max_hbm_size_mib"] = max(1, capacity // MiB)
     if probe or targets_lib.compiler_counts_arguments(self.target):
       capacity = None  # libtpu's own verdict at that limit counts arguments too
-    return self._trial(plan, lambda: jitted.lower(*targs, **tkw).compile(options),
-                       lambda: facts.get(key), capacity, targs)
+    def compile_fn():
+      with user_shardings.context_on(devices):
+        return jitted.lower(*targs, **tkw).compile(options)
+    return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
 
 def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):

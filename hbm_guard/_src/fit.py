@@ -165,7 +165,7 @@ class Fit:
       result = climb_lib.climb(
           try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
           auto_fallback=o.auto_fallback,
-          step_facts=lambda t: self.backend.step_facts(self.args, t),
+          step_facts=lambda t: self.backend.step_facts(self.args, self.kwargs, t),
           first_number=len(self.ledger.attempts) + 1,
           signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
           on_attempt=self.ledger.record,

@@ -26,6 +26,15 @@ KINDS = ("donate", "reshard", "compiler_options", "remat", "microbatch", "offloa
 # The plan field a plan-aware rung needs the step to read.
 _NEEDS_FIELD = {"remat": "remat_policy", "microbatch": "microbatches", "dtype": "compute_dtype",
                 "offload": "offload_optimizer"}
+# Why a rung did not apply to a step whose gradient the drop-in analysis did see.
+_UNSEEN = {
+    "remat": ("no repeated layers were found in the differentiated loss (no Flax module "
+              "names, no repeating pattern of parameter reads, no scan over the parameters): "
+              "checkpoint the layers yourself with integrations.flax remat or jax.checkpoint"),
+    "offload": ("the step's optimizer update was not seen: the guard follows "
+                "TrainState.apply_gradients and nnx.Optimizer.update; for a bare tx.update "
+                "call, update with hbm_guard.offload_aware(tx)"),
+}
 HEADROOM = 0.95  # aim below the capacity: estimates are estimates
 
 
@@ -131,9 +140,11 @@ class StepFacts:
   batch_size: int | None  # as a plan-aware helper saw it
   has_host_memory: bool = False
   can_reshard: bool = True  # False when the user's in_shardings are not NamedShardings
+  reshard_refused: str | None = None  # why the step's explicit sharding types refuse it
   user_layout: bool = False  # the user gave in_shardings: resharding extends them
   offload_bytes: int = 0  # state bytes the offload filter selects (optimizer state)
   auto_refused: str | None = None  # why the drop-in analysis did not split the batch
+  gradient_seen: bool = False  # the drop-in analysis saw the step's gradient
 
   def reads(self, field: str) -> bool:
     return "*" in self.plan_reads or field in self.plan_reads
@@ -170,6 +181,8 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
         f"the batch was not split automatically: {facts.auto_refused} (split it yourself "
         f"with hbm_guard.value_and_grad where that is what you want)")
   if rung.kind in _NEEDS_FIELD and not facts.reads(_NEEDS_FIELD[rung.kind]):
+    if facts.gradient_seen and rung.kind in _UNSEEN:
+      return SkipKind.NOT_PLAN_AWARE, _UNSEEN[rung.kind]
     return SkipKind.NOT_PLAN_AWARE, ("the step is not plan-aware for this rung: no "
             "jax.value_and_grad / jax.grad / nnx.value_and_grad call was seen in the traced step "
             "(build it with hbm_guard's helpers, e.g. hbm_guard.value_and_grad / integrations.flax remat)")
@@ -183,6 +196,8 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
       return SkipKind.NOT_APPLICABLE, f"needs several devices; {facts.num_devices} present"
     if not facts.can_reshard:
       return SkipKind.NOT_APPLICABLE, "in_shardings that are not NamedShardings were given to guarded_jit: the guard cannot extend them"
+    if facts.reshard_refused:
+      return SkipKind.NOT_APPLICABLE, facts.reshard_refused
     if not facts.state_argnums:
       return SkipKind.NOT_APPLICABLE, "no state argument to shard (pass state_argnums=...)"
     if plan.shard_state:

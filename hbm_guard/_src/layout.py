@@ -133,7 +133,7 @@ def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[
   """Arguments to lower with: state as planned; on a target's devices, the rest as `given`
   (the user's in_shardings, mapped there), else as the argument is placed, else replicated."""
   static, static_names = set(static_argnums), set(static_argnames)
-  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",)) if devices is not None else None
+  mesh = replicated_mesh(devices) if devices is not None else None
 
   def abstract(x, sharding):
     scalar = not hasattr(x, "dtype")  # a Python scalar traces weakly typed, as under jit
@@ -160,6 +160,15 @@ def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[
       out.append(jax.tree.map(other, a))
   kw = {k: (v if k in static_names else jax.tree.map(other, v)) for k, v in kwargs.items()}
   return tuple(out), kw
+
+
+def replicated_mesh(devices):
+  """A mesh to replicate what is not laid out over: jax.set_mesh's, mapped onto `devices`,
+  since jax checks each aval's mesh against the context's; else one axis of them all."""
+  ctx = user_shardings.context_mesh()
+  if ctx is not None and ctx.devices.size == len(devices):
+    return user_shardings.mesh_on(ctx, devices)
+  return jax.sharding.Mesh(np.array(devices), ("fsdp",))
 
 
 def describe(args, state_argnums: Iterable[int], top: int = 2) -> tuple[str, ...]:

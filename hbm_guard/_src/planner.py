@@ -176,18 +176,19 @@ class Planner:
 
   def _modelled_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
     """The fewest microbatches predicted to fit from need(k) ~ F + P / k through two
-    figures: the family's probe at the most microbatches, and a real compile's figure at
-    fewer (this family's latest failure, else the fit's first failed compile: a plan with
-    fewer rungs needs more, so the count predicted errs high). Confirmed by compiling it."""
+    figures of this family: its probe at the most microbatches, and at fewer its latest
+    failed compile, else a probe at the fewest split. Another family's figure is no anchor:
+    a split step holds accumulators an unsplit one does not, and libtpu's early check of
+    the unsplit step read below its split at 368M (19.37 GiB, then 20.47 at k = 2)."""
     at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
     k1 = counts[-1]
     n1 = self.need(at(k1))
-    mine = [(p.microbatches, n) for p, n in self._real.items()
-            if _key(dataclasses.replace(p, microbatches=1)) == _key(family) and p.microbatches < k1]
-    anchors = sorted(mine) or [(p.microbatches, n) for p, n in self._real.items()
-                               if p.microbatches < k1][:1]
-    if not anchors:  # no real figure below the top: probe the fewest microbatches
-      anchors = [(counts[0], self.need(at(counts[0])))]
+    anchors = sorted((p.microbatches, n) for p, n in self._real.items()
+                     if _key(dataclasses.replace(p, microbatches=1)) == _key(family)
+                     and p.microbatches < k1)
+    if not anchors:
+      k0 = counts[1] if len(counts) > 2 and counts[0] == 1 else counts[0]
+      anchors = [(k0, self.need(at(k0)))]
     k0, n0 = anchors[-1]
     scale = self.scale if self._ratios else 1.0  # probes against real: no prior to inflate
     per = max(0.0, (n0 - n1 * scale) / (1 / k0 - 1 / k1))

@@ -20,6 +20,7 @@ from hbm_guard._src import auto_offload
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
 from hbm_guard._src import intercept
+from hbm_guard._src import keywords
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
@@ -88,12 +89,12 @@ class StepBuilder:
       self.replaced, self.n_outputs = facts.replaced, facts.n_outputs
 
   def layout(self, plan: plan_lib.Plan, args, devices) -> dict[int, Any] | None:
-    kw = self.options.jax_jit_kwargs()
+    given = user_shardings.per_leaf(self.options.jax_jit_kwargs(), args,
+                                    self.static(len(args)))
     try:
-      kw = user_shardings.jit_kwargs_on(kw, devices)
+      given = user_shardings.on_devices(given, devices)
     except errors.InvalidOptionError:
       pass  # a mesh over a target's chips, laid out for this host: as the user gave it
-    given = user_shardings.per_leaf(kw, args, self.static(len(args)))
     return layout_lib.plan_layout(plan, args, [i for i, _ in self.replaced], devices,
                                   self.options.offload_filter, self.static(len(args)), given)
 
@@ -148,7 +149,10 @@ class StepBuilder:
           layout_lib.out_shardings(layout, self.replaced, self.n_outputs),
           kw.get("out_shardings"))
     mesh = layout_lib.batch_mesh(layout, [i for i, _ in self.replaced]) if layout else None
-    return jax.jit(self._traced(plan, allowed, {} if facts is None else facts, mesh), **kw)
+    traced = self._traced(plan, allowed, {} if facts is None else facts, mesh)
+    if "in_shardings" in kw and layout:  # jax.jit then refuses keywords: pass them in place
+      return keywords.KeywordsAsPositional(traced, kw, nargs)
+    return jax.jit(traced, **kw)
 
   def plan_jit(self, plan: plan_lib.Plan, args) -> PlanJit:
     """The local jit object for `plan` (one per plan and, with a layout, state structure)."""

@@ -132,7 +132,8 @@ def compiler_counts_arguments(target: Target) -> bool:
   arg = jax.ShapeDtypeStruct((16 << 20,), jax.numpy.float32,
                              sharding=NamedSharding(mesh, PartitionSpec()))
   try:
-    jax.jit(lambda x: x[:8] * 2).lower(arg).compile({"xla_tpu_max_hbm_size_mib": 32})
+    with jax.set_mesh(mesh):  # not the user's jax.set_mesh mesh, if any: the target's
+      jax.jit(lambda x: x[:8] * 2).lower(arg).compile({"xla_tpu_max_hbm_size_mib": 32})
   except jax.errors.JaxRuntimeError as e:
     return record_lib.parse(e) is not None
   return False

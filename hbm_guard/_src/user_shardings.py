@@ -9,7 +9,8 @@ target is an error naming both.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -58,8 +59,44 @@ def _one(s, devices, what):
         f"hbm_guard: {what} use a mesh of {mesh.devices.size} devices "
         f"{dict(mesh.shape)}; the target has {len(devices)}: build the mesh with as many "
         f"devices as the target has chips.")
-  target = jax.sharding.Mesh(np.array(devices).reshape(mesh.devices.shape), mesh.axis_names)
-  return NamedSharding(target, s.spec, memory_kind=s.memory_kind)
+  return NamedSharding(mesh_on(mesh, devices), s.spec, memory_kind=s.memory_kind)
+
+
+def mesh_on(mesh, devices):
+  """The same mesh shape, axis names and axis types over `devices`, by position."""
+  return jax.sharding.Mesh(np.array(list(devices)).reshape(mesh.devices.shape),
+                           mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def explicit(tree) -> bool:
+  """Whether any NamedSharding in `tree` is over a mesh with Explicit axes: there the
+  shardings are part of the step's types (jax.set_mesh, jax.sharding.reshard)."""
+  explicit_axis = getattr(jax.sharding.AxisType, "Explicit", None)
+  return any(isinstance(s, NamedSharding) and explicit_axis in (s.mesh.axis_types or ())
+             for s in jax.tree.leaves(tree, is_leaf=_is_sharding))
+
+
+def context_mesh():
+  """The mesh the user set with `jax.set_mesh`, or None."""
+  mesh = jax.sharding.get_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
+@contextlib.contextmanager
+def context_on(devices: Sequence[Any]) -> Iterator[None]:
+  """The user's `jax.set_mesh` mesh over `devices` while a compile for them traces: jax
+  checks every aval's mesh against the context's. Without one, nothing changes."""
+  mesh = context_mesh()
+  if mesh is None or set(mesh.devices.flat) <= set(devices):
+    yield
+    return
+  if mesh.devices.size != len(devices):
+    raise errors.InvalidOptionError(
+        f"hbm_guard: jax.set_mesh set a mesh of {mesh.devices.size} devices "
+        f"{dict(mesh.shape)}; the target has {len(devices)}: build the mesh with as many "
+        f"devices as the target has chips.")
+  with jax.set_mesh(mesh_on(mesh, devices)):
+    yield
 
 
 def jit_kwargs_on(kw: dict[str, Any], devices: Sequence[Any]) -> dict[str, Any]:
@@ -88,13 +125,15 @@ def per_leaf(kw: dict[str, Any], args: tuple, static: Sequence[int]) -> dict[int
   the shardings its arrays already carry (every leaf placed on a mesh)."""
   given = for_args(kw, args, static)
   out = {i: broadcast(s, args[i]) for i, s in given.items()}
+  ctx = context_mesh()  # under jax.set_mesh, what is not placed is replicated over it
+  carried = lambda x: own(x) or (NamedSharding(ctx, P()) if ctx is not None else None)  # noqa: E731
   for i, a in enumerate(args):
     if i in out or i in set(static):
       continue
     leaves = jax.tree.leaves(a)
-    owns = [own(x) for x in leaves]
+    owns = [carried(x) for x in leaves]
     if leaves and all(s is not None and s.mesh.devices.size > 1 for s in owns):
-      out[i] = jax.tree.map(own, a)
+      out[i] = jax.tree.map(carried, a)
   return out
 
 
