@@ -123,7 +123,7 @@ class _FakeBackend:
     self.compiled.append((plan, probe))
     return _fake_compile(self._capacity, [])(plan)
 
-  def step_facts(self, args, trial):
+  def step_facts(self, args, kwargs, trial):
     return _facts()
 
 
