@@ -108,3 +108,35 @@ def test_cheap_probes_still_bisect():
   choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 8 and not planner.probes_are_dear
   assert probes[0] == 16 and len(probes) >= 3 and 8 in probes  # confirmed by a probe
+
+
+def _flags_only_facts():
+  # a step nothing planned can split or remat (microbatching refused, no layers seen)
+  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  return ladder_lib.StepFacts(platform="tpu", num_devices=1, plan_reads=frozenset(),
+                              state_argnums=(0,), state_bytes=4 * 2**30, batch_size=16,
+                              auto_refused="a batch statistic feeds per-example work")
+
+
+def test_where_probes_are_dear_the_xla_flags_are_judged_by_one_probe_of_all_of_them():
+  from hbm_guard._src import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  probed = []
+  def probe(plan):  # every flag cuts a little; all of them together still do not fit
+    probed.append(plan.describe())
+    return int((30 - 3 * len(plan.compiler_options)) * 2**30)
+  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+                                clock=_Clock(120.0))
+  failed = hbm_guard.Plan(donate_argnums=(0,))
+  planner.observe(hbm_guard.Plan(), real_bytes=40 * 2**30, fits=False, seconds=60.0)
+  planner.need(failed)  # as the fit did before compiling it: probes are dear (120 s)
+  planner.observe(failed, real_bytes=31 * 2**30, fits=False, seconds=60.0)
+  rec = compile_lib.budget_record({"peak": 31 * 2**30, "argument": 4 * 2**30, "output": 0,
+                                   "alias": 0, "temp": 27 * 2**30, "generated_code": 0},
+                                  int(15.75 * 2**30), "fake")
+  nxt, skips, _ = planner_lib.next_plan(planner, ladder_lib.load_ladder(), failed,
+                                        _flags_only_facts(), rec, "numerics")
+  flags = [s for s in skips if s.rung.startswith("xla_")]
+  assert nxt is None and len(flags) == 3  # every flag skipped ...
+  assert all("every XLA flag at once" in s.reason for s in flags)
+  assert len([d for d in probed if "xla_" in d]) == 1  # ... after one probe, not three

@@ -180,3 +180,25 @@ def test_the_target_backend_compiles_for_the_tpu_and_probes_cheaply(v5e_devices)
   need = backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {})
   assert need and need > 4 * MiB  # the weights alone are 4 MiB
   assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
+
+
+def test_pricing_reuses_the_compiles_own_lowering_and_lowers_once_per_program(monkeypatch):
+  # At 368M parameters one lowering for a flop count took ~7 s, six of them 40.6 s of a
+  # 235 s fit: the failed compile's lowering prices its plan, and plans that differ only
+  # in layout (offload, sharding, donation) share one count.
+  w = jnp.ones((256, 256))
+  x = jnp.ones((32, 256))
+  local = _backend()
+  builder = local.step
+  key = builder.key((w, x), {})
+  local.compile(hbm_guard.Plan(), key, (w, x), {})
+  lowered = []
+  jit = builder.jit
+  monkeypatch.setattr(builder, "jit", lambda *a, **k: lowered.append(a[0]) or jit(*a, **k))
+  donated = builder.flops(hbm_guard.Plan(donate_argnums=(0,)), (w, x), {})
+  offloaded = builder.flops(hbm_guard.Plan(donate_argnums=(0,), offload_optimizer=True),
+                            (w, x), {})
+  assert lowered == [] and donated == offloaded and donated > 2 * 32 * 256 * 256
+  builder.flops(hbm_guard.Plan(compute_dtype="bfloat16"), (w, x), {})
+  builder.flops(hbm_guard.Plan(compute_dtype="bfloat16", shard_state=True), (w, x), {})
+  assert len(lowered) == 1  # another program: lowered once

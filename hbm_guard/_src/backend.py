@@ -149,8 +149,12 @@ class LocalBackend(_Base):
     entry.allowed.add(key)
     largs, lkw = self.step.abstract(args, kwargs, entry.layout) if entry.layout else (args, kwargs)
     try:
-      return self._trial(plan, lambda: entry.jitted.lower(*largs, **lkw).compile(),
-                         lambda: entry.facts.get(key), self.capacity(args), largs)
+      def compile_fn():
+        lowered = entry.jitted.lower(*largs, **lkw)
+        self.step.saw_lowered(plan, args, kwargs, lowered)
+        return lowered.compile()
+      return self._trial(plan, compile_fn, lambda: entry.facts.get(key), self.capacity(args),
+                         largs)
     finally:
       entry.allowed.discard(key)  # admitted again by the guard if this plan is chosen
 
@@ -192,7 +196,9 @@ class TargetBackend(_Base):
       capacity = None  # libtpu's own verdict at that limit counts arguments too
     def compile_fn():
       with user_shardings.context_on(devices):
-        return jitted.lower(*targs, **tkw).compile(options)
+        lowered = jitted.lower(*targs, **tkw)
+        self.step.saw_lowered(plan, args, kwargs, lowered)
+        return lowered.compile(options)
     return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
 

@@ -313,6 +313,34 @@ def _probe_may_fit(planner: Planner, plan: plan_lib.Plan) -> bool:
   return need is None or need <= planner._capacity  # pylint: disable=protected-access
 
 
+def _flag_chain(rest, first: plan_lib.Plan, facts, rec, max_class) -> list[plan_lib.Plan]:
+  """The ladder's XLA-flag plans from `first` on, each adding a rung: weakest first."""
+  chain, plan = [], first
+  while plan is not None and plan.compiler_options and plan.compute_dtype == first.compute_dtype:
+    chain.append(plan)
+    plan, _ = ladder_lib.next_plan(rest, plan, facts, rec, max_class)
+  return chain
+
+
+def _strongest_flags_first(planner: Planner, rest, first: plan_lib.Plan, facts, rec,
+                           max_class) -> tuple[plan_lib.Plan | None, list[ladder_lib.Skip]]:
+  """Where probes cost what compiles do, XLA's flags are judged by one probe: all of them
+  at once. If that plan does not fit by its figure, no weaker one is probed (each flag
+  only adds rematerialization); the ladder goes on past them. If it fits, it is compiled."""
+  chain = _flag_chain(rest, first, facts, rec, max_class)
+  if len(chain) < 2:
+    return first, []
+  strongest = chain[-1]
+  if _probe_may_fit(planner, strongest):
+    return strongest, []
+  why = (f"probed with every XLA flag at once: {strongest.describe()} needs "
+         f"{planner.need(strongest)} bytes of {planner._capacity}")  # pylint: disable=protected-access
+  skips = [ladder_lib.Skip(p.rungs[-1] if p.rungs else p.describe(), why,
+                           ladder_lib.SkipKind.CANNOT_CLOSE_GAP) for p in chain]
+  nxt, more = ladder_lib.next_plan(rest, strongest, facts, rec, max_class)
+  return nxt, skips + more
+
+
 def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
               facts: ladder_lib.StepFacts, rec, max_class: str
               ) -> tuple[plan_lib.Plan | None, list[ladder_lib.Skip], Planning]:
@@ -346,6 +374,9 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
     rest = [r for r in rungs if r.kind not in _PLANNED]
     nxt, more = ladder_lib.next_plan(rest, closest, facts, rec, max_class)
     skips += more
+    if nxt is not None and planner.probes_are_dear:
+      nxt, more = _strongest_flags_first(planner, rest, nxt, facts, rec, max_class)
+      skips += more
     # XLA's flags and a dtype are priced by probes too: a plan the probe's own figure puts
     # over the capacity is passed over without a compile.
     while nxt is not None and not _probe_may_fit(planner, nxt):

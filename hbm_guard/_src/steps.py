@@ -65,6 +65,8 @@ class StepBuilder:
     self.replaced: tuple[tuple[int, Any], ...] = ()  # (argnum, output) the step returns anew
     self.n_outputs: int | None = None
     self._jits: dict[Hashable, PlanJit] = {}
+    self._flops_of: dict[Hashable, float | None] = {}  # (plan run locally, signature) -> flops
+    self._last_lowered: tuple[Hashable, Any] | None = None  # (that key, the latest lowering)
 
   def static(self, nargs: int) -> tuple[int, ...]:
     return tuple(i % nargs for i in self.options.static_argnums) if nargs else ()
@@ -192,13 +194,34 @@ class StepBuilder:
     return flops
 
   def _flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
-    local = dataclasses.replace(plan, offload_optimizer=False, shard_state=False,
-                                shard_batch=False,
-                                donate_argnums=(), compiler_options=())
-    try:
-      analysis = self.jit(local, None, len(args)).lower(*args, **kwargs).cost_analysis()
-      if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0] if analysis else {}
-      return float(analysis.get("flops", 0.0)) or None
-    except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
-      return None
+    key = (_run_locally(plan), self.key(args, kwargs))
+    if key not in self._flops_of:  # plans that differ only in layout run the same program
+      pending = self._last_lowered
+      if pending is not None and pending[0] == key:
+        self._last_lowered = None
+      try:
+        lowered = pending[1] if pending is not None and pending[0] == key else self.jit(
+            key[0], None, len(args)).lower(*args, **kwargs)
+        self._flops_of[key] = _flops_of(lowered)
+      except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
+        self._flops_of[key] = None
+    return self._flops_of[key]
+
+  def saw_lowered(self, plan: plan_lib.Plan, args, kwargs, lowered) -> None:
+    """The latest compile's own lowering, kept (one) so that pricing its plan does not
+    lower the step again: seconds at real size. Counted only if asked for."""
+    self._last_lowered = ((_run_locally(plan), self.key(args, kwargs)), lowered)
+
+
+def _run_locally(plan: plan_lib.Plan) -> plan_lib.Plan:
+  """The plan as far as the program's arithmetic goes: layout and flags aside."""
+  return dataclasses.replace(plan, offload_optimizer=False, shard_state=False,
+                             shard_batch=False, donate_argnums=(), compiler_options=(),
+                             rungs=())
+
+
+def _flops_of(lowered) -> float | None:
+  analysis = lowered.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return float((analysis or {}).get("flops", 0.0)) or None
