@@ -119,7 +119,7 @@ class _FakeBackend:
   def runnable(self, plan):
     return plan
 
-  def compile(self, plan, key, args, kwargs, *, probe=False):
+  def compile(self, plan, key, args, kwargs, *, probe=False, low_effort=False):
     self.compiled.append((plan, probe))
     return _fake_compile(self._capacity, [])(plan)
 
@@ -202,3 +202,27 @@ def test_pricing_reuses_the_compiles_own_lowering_and_lowers_once_per_program(mo
   builder.flops(hbm_guard.Plan(compute_dtype="bfloat16"), (w, x), {})
   builder.flops(hbm_guard.Plan(compute_dtype="bfloat16", shard_state=True), (w, x), {})
   assert len(lowered) == 1  # another program: lowered once
+
+
+@pytest.mark.real_compiler
+def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_devices, monkeypatch):
+  from jax._src import stages  # pylint: disable=g-import-not-at-top
+  sent = []
+  compile_ = stages.Lowered.compile
+
+  def spy(self, compiler_options=None, **kw):
+    sent.append(dict(compiler_options or {}))
+    options = {k: v for k, v in (compiler_options or {}).items() if k != "optimization_level"}
+    return compile_(self, options, **kw)
+  monkeypatch.setattr(stages.Lowered, "compile", spy)
+  monkeypatch.setattr(backend_lib.targets_lib, "accepts_options", lambda t, o: True)
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+  target = _backend(target="v5e:1x1")
+  key = target.step.key((w, x), {})
+  assert backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {}, low_effort=True)
+  backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  flagged = hbm_guard.Plan(compiler_options=(("xla_tpu_pre_fusion_remat", True),))
+  backend_lib.probe(target, flagged, key, (w, x), {}, low_effort=True)
+  levels = [o.get("optimization_level") for o in sent if "xla_tpu_max_hbm_size_mib" in o]
+  assert levels == ["O0", None, None]  # dear probes only, and never with XLA flags

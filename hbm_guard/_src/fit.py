@@ -134,6 +134,7 @@ class Fit:
     self.step, self.backend, self.options, self.cache = step, backend, options, cache
     self.ledger, self.key, self.args, self.kwargs = ledger, key, args, kwargs
     self._planner: planner_lib.Planner | None = None
+    self._low_effort: bool | None = None  # probes at XLA's lowest effort (dear probes)
     self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
     self.budget = budget_lib.Budget(options.max_fit_seconds)
     self.progress = budget_lib.Progress(step.name, self.budget, enabled=options.progress
@@ -224,7 +225,10 @@ class Fit:
   def _probe(self, plan: plan_lib.Plan) -> int | None:
     self.budget.check(budget_lib.Spend.PROBE)
     t0 = time.perf_counter()
-    need = backend_lib.probe(self.backend, plan, self.key, self.args, self.kwargs)
+    if self._low_effort is None:  # decided once, so that a fit's probes compare
+      self._low_effort = bool(self._planner is not None and self._planner.probes_are_dear)
+    need = backend_lib.probe(self.backend, plan, self.key, self.args, self.kwargs,
+                             self._low_effort)
     seconds = time.perf_counter() - t0
     self.budget.record(budget_lib.Spend.PROBE, seconds)
     self.progress.probed(plan.describe(), need, seconds)

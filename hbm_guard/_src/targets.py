@@ -139,6 +139,22 @@ def compiler_counts_arguments(target: Target) -> bool:
   return False
 
 
+@functools.cache
+def accepts_options(target: Target, options: tuple[tuple[str, Any], ...]) -> bool:
+  """Whether this jax and libtpu take these compile options (jax 0.10's compile rejects
+  `optimization_level` with a TypeError). Asked once per process with a tiny program."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(target.devices()[:1]), ("x",))
+  arg = jax.ShapeDtypeStruct((8,), jax.numpy.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  try:
+    with jax.set_mesh(mesh):
+      jax.jit(lambda x: x * 2).lower(arg).compile(dict(options))
+  except Exception:  # pylint: disable=broad-except  (any refusal means: do not send them)
+    return False
+  return True
+
+
 def capacity_from_stats(stats: dict[str, int] | None, step_argument_bytes: int) -> int | None:
   """What a step may use on a device by its allocator's stats: the limit (what JAX may
   allocate; 75% of the GPU by default) less live arrays other than the step's arguments,
