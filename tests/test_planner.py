@@ -140,3 +140,14 @@ def test_where_probes_are_dear_the_xla_flags_are_judged_by_one_probe_of_all_of_t
   assert nxt is None and len(flags) == 3  # every flag skipped ...
   assert all("every XLA flag at once" in s.reason for s in flags)
   assert len([d for d in probed if "xla_" in d]) == 1  # ... after one probe, not three
+
+
+def test_a_large_programs_prior_is_closer_to_one_until_measured():
+  fast, slow = _planner({1: 90 * MiB}), _planner({1: 90 * MiB})
+  fast.observe(hbm_guard.Plan(), real_bytes=300 * MiB, fits=False, seconds=2.0)
+  slow.observe(hbm_guard.Plan(), real_bytes=300 * MiB, fits=False, seconds=12.5)
+  assert fast.scale == planner_lib.PROBE_SCALE
+  assert slow.scale == planner_lib.LARGE_PROGRAM_PROBE_SCALE < planner_lib.PROBE_SCALE
+  slow.need(hbm_guard.Plan(microbatches=1))
+  slow.observe(hbm_guard.Plan(microbatches=1), real_bytes=117 * MiB, fits=False, seconds=30.0)
+  assert abs(slow.scale - 1.3) < 1e-9  # a measured ratio replaces the prior

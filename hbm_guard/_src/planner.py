@@ -31,6 +31,11 @@ PROBE_SCALE = 1.3  # before any real compile: libtpu's early figure ran 0.67-0.9
 # At real sizes libtpu's early check comes after the HLO passes, so a probe costs about what a
 # compile does (95-336 s against 44-110 s for a 368M-parameter LM on v5e:1x1). Probes this
 # dear are spent sparingly: two figures per family predict the count (need ~ F + P / k).
+# A program whose failed compile took this long is large, and there libtpu's early figure
+# runs closer to the real need: 1.125 of it at 937M parameters (v5e:2x2, 9.11 -> 10.25 GiB),
+# and above it at 368M (#17: 1.15-1.20 x the need). The prior 1.3 there ruled out plans
+# that fit (data parallel without microbatching at 937M: probed 12.78 GiB, 14.38 real).
+LARGE_PROGRAM_PROBE_SCALE = 1.15
 DEAR_PROBE_RATIO = 0.5  # a probe costing this much of a compile, or more, is dear
 DEAR_PROBE_MIN_SECONDS = 20.0  # below this, probing is cheap whatever a compile costs
 DEAR_COMPILE_SECONDS = 10.0  # a failed compile this slow: its probes will be dear too
@@ -114,6 +119,8 @@ class Planner:
     """A real compile's figure: recalibrates the scale from probe to real."""
     if seconds:
       self.compile_seconds.append(seconds)
+      if seconds >= DEAR_COMPILE_SECONDS and not self._ratios:
+        self.scale = min(self.scale, LARGE_PROGRAM_PROBE_SCALE)
     if not fits:
       self.failed.add(_key(plan))
       if real_bytes:
