@@ -151,3 +151,24 @@ def test_a_large_programs_prior_is_closer_to_one_until_measured():
   slow.need(hbm_guard.Plan(microbatches=1))
   slow.observe(hbm_guard.Plan(microbatches=1), real_bytes=117 * MiB, fits=False, seconds=30.0)
   assert abs(slow.scale - 1.3) < 1e-9  # a measured ratio replaces the prior
+
+
+def test_dear_probes_take_fewer_microbatches_when_the_anchor_probe_fits():
+  # 937M on v5e:2x2, data parallel: 5.22 GiB at k = 16, 9.11 at k = 2, 12.78 unsplit.
+  # The model only looked above its anchor (k = 4); the anchor fits, and so does k = 1.
+  figures = {16: 5.22, 8: 5.8, 4: 6.58, 2: 9.11, 1: 12.78}
+  probes = []
+  def probe(plan):
+    probes.append(plan.microbatches)
+    return int(figures[plan.microbatches] * 2**30)
+  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+                                scale=1.0, clock=_Clock(120.0))
+  planner.observe(hbm_guard.Plan(), real_bytes=int(25.12 * 2**30), fits=False, seconds=60.0)
+  family = hbm_guard.Plan(donate_argnums=(0,), shard_state=True, shard_batch=True)
+  choice = planner.choose([family], [1, 2, 4, 8, 16], offload_bytes=0)
+  assert choice.plan.microbatches == 1 and probes == [16, 2, 1]
+  figures[1] = 15.5  # unsplit does not fit: the anchor's own count
+  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+                                scale=1.0, clock=_Clock(120.0))
+  planner.observe(hbm_guard.Plan(), real_bytes=int(25.12 * 2**30), fits=False, seconds=60.0)
+  assert planner.choose([family], [1, 2, 4, 8, 16], offload_bytes=0).plan.microbatches == 2

@@ -226,3 +226,15 @@ def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_device
   backend_lib.probe(target, flagged, key, (w, x), {}, low_effort=True)
   levels = [o.get("optimization_level") for o in sent if "xla_tpu_max_hbm_size_mib" in o]
   assert levels == ["O0", None, None]  # dear probes only, and never with XLA flags
+
+
+@pytest.mark.real_compiler
+def test_a_targets_plans_are_priced_by_a_local_lowering(v5e_devices):
+  # A target's lowering cannot be costed ("implemented for a PjRt-compatible backend
+  # only"): had it been kept, every plan would cost the same and data parallel never win.
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 256), jnp.float32)
+  target = _backend(target="v5e:1x1")
+  key = target.step.key((w, x), {})
+  target.compile(hbm_guard.Plan(), key, (w, x), {})
+  assert target.step.flops(hbm_guard.Plan(donate_argnums=(0,)), (w, x), {}) > 2 * 32 * 256 * 256

@@ -208,9 +208,7 @@ class TargetBackend(_Base):
       capacity = None  # libtpu's own verdict at that limit counts arguments too
     def compile_fn():
       with user_shardings.context_on(devices):
-        lowered = jitted.lower(*targs, **tkw)
-        self.step.saw_lowered(plan, args, kwargs, lowered)
-        return lowered.compile(options)
+        return jitted.lower(*targs, **tkw).compile(options)
     return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
 

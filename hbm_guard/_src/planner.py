@@ -193,11 +193,22 @@ class Planner:
     anchors = sorted((p.microbatches, n) for p, n in self._real.items()
                      if _key(dataclasses.replace(p, microbatches=1)) == _key(family)
                      and p.microbatches < k1)
+    scale = self.scale if self._ratios else 1.0  # probes against real: no prior to inflate
     if not anchors:
       k0 = counts[1] if len(counts) > 2 and counts[0] == 1 else counts[0]
-      anchors = [(k0, self.need(at(k0)))]
+      n0 = self.need(at(k0))
+      if n0 is None:
+        return k1  # no second figure: the most microbatches, which its probe said fit
+      if n0 * scale <= self.headroom * self._capacity:
+        # the anchor itself fits: the one count below it (unsplit: another program, so
+        # probed, not extrapolated) may too
+        below = [k for k in counts if k < k0 and _key(at(k)) not in self.failed]
+        n_below = self.need(at(below[-1])) if below else None
+        if n_below is not None and n_below * scale <= self.headroom * self._capacity:
+          return below[-1]
+        return k0
+      anchors = [(k0, n0)]
     k0, n0 = anchors[-1]
-    scale = self.scale if self._ratios else 1.0  # probes against real: no prior to inflate
     per = max(0.0, (n0 - n1 * scale) / (1 / k0 - 1 / k1))
     fixed = n1 * scale - per / k1
     for k in counts:

@@ -196,20 +196,25 @@ class StepBuilder:
   def _flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
     key = (_run_locally(plan), self.key(args, kwargs))
     if key not in self._flops_of:  # plans that differ only in layout run the same program
-      pending = self._last_lowered
+      pending, flops = self._last_lowered, None
       if pending is not None and pending[0] == key:
         self._last_lowered = None
-      try:
-        lowered = pending[1] if pending is not None and pending[0] == key else self.jit(
-            key[0], None, len(args)).lower(*args, **kwargs)
-        self._flops_of[key] = _flops_of(lowered)
-      except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
-        self._flops_of[key] = None
+        try:
+          flops = _flops_of(pending[1])
+        except Exception:  # pylint: disable=broad-except  (then lowered here, below)
+          pass
+      if flops is None:
+        try:
+          flops = _flops_of(self.jit(key[0], None, len(args)).lower(*args, **kwargs))
+        except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
+          pass
+      self._flops_of[key] = flops
     return self._flops_of[key]
 
   def saw_lowered(self, plan: plan_lib.Plan, args, kwargs, lowered) -> None:
-    """The latest compile's own lowering, kept (one) so that pricing its plan does not
-    lower the step again: seconds at real size. Counted only if asked for."""
+    """The latest local compile's own lowering, kept (one) so that pricing its plan does
+    not lower the step again: seconds at real size. (A target's lowering cannot be costed:
+    "implemented for a PjRt-compatible backend only".) Counted only if asked for."""
     self._last_lowered = ((_run_locally(plan), self.key(args, kwargs)), lowered)
 
 
