@@ -129,13 +129,14 @@ def own_shardings(target: str, state, batch):
 
 
 def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = False,
-        own: bool = False):
+        own: bool = False, drop_in: bool = True):
   state, batch, n = abstract_args(s, PlainLM if unmodified else LM)
   step = plain_train_step if unmodified else hg_flax.train_step(loss_fn)
   shardings = own_shardings(target, state, batch) if own else {}
   g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                             plan_cache=False, max_fit_seconds=max_fit_seconds,
-                            report_dir=tempfile.mkdtemp(), **shardings)
+                            report_dir=tempfile.mkdtemp(), auto_plan_aware=drop_in,
+                            **shardings)
   t0 = time.perf_counter()
   plan, error = None, None
   try:
@@ -188,12 +189,15 @@ def main():
   p.add_argument("--skip-halving", action="store_true")
   p.add_argument("--unmodified", action="store_true",
                  help="fit a step written without hbm_guard (the drop-in analysis)")
+  p.add_argument("--no-drop-in", action="store_true",
+                 help="with --unmodified: auto_plan_aware=False, so only donation and XLA "
+                      "flags can apply (how long the guard takes to say no)")
   p.add_argument("--own-shardings", action="store_true",
                  help="pass hand-written FSDP in/out_shardings over the target's chips")
   a = p.parse_args()
   s = Size(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Size)})
   print(f"jax {jax.__version__}, {s}, target {a.target}", flush=True)
-  r = fit(s, a.target, a.max_fit_seconds, a.unmodified, a.own_shardings)
+  r = fit(s, a.target, a.max_fit_seconds, a.unmodified, a.own_shardings, not a.no_drop_in)
   print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles, "
         f"{r['probes']} probes ({r['probe_seconds']:.0f} s); fit {r['fit_seconds']:.0f} s; "
         f"plan {r['plan']}; {r.get('error') or ''}", flush=True)
