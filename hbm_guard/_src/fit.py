@@ -173,6 +173,8 @@ class Fit:
           plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
     except budget_lib.OutOfTime as e:  # a compile the budget could not pay for
       self._out_of_time = e
+    finally:
+      self.step.saw_lowered(None, None, None, None)  # the fit is over: nothing left to price
     if self._out_of_time is not None:
       self._stop_for_time()  # nothing fit in time: not remembered as exhausted
     if cache_key is not None:

@@ -214,8 +214,10 @@ class StepBuilder:
   def saw_lowered(self, plan: plan_lib.Plan, args, kwargs, lowered) -> None:
     """The latest local compile's own lowering, kept (one) so that pricing its plan does
     not lower the step again: seconds at real size. (A target's lowering cannot be costed:
-    "implemented for a PjRt-compatible backend only".) Counted only if asked for."""
-    self._last_lowered = ((_run_locally(plan), self.key(args, kwargs)), lowered)
+    "implemented for a PjRt-compatible backend only".) Counted only if asked for; None
+    lets it go."""
+    self._last_lowered = None if lowered is None else (
+        (_run_locally(plan), self.key(args, kwargs)), lowered)
 
 
 def _run_locally(plan: plan_lib.Plan) -> plan_lib.Plan:
