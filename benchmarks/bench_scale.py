@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.bench_scale                  # 24 layers: ~30 min here
     .venv/bin/python -m benchmarks.bench_scale --layers 4 --emb 512 --mlp 2048 --seq 512
     .venv/bin/python -m benchmarks.bench_scale --unmodified --skip-halving  # no helpers
+    .venv/bin/python -m benchmarks.bench_scale --unmodified --no-drop-in --skip-halving  # flags only
 
 Prints, for the plan-aware step under `target="v5e:1x1"` at the chip's real capacity:
 compiles, probes, seconds of the fit, one compile of the plan it found (the same process,
