@@ -77,6 +77,7 @@ class _Base:
   def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
     devices = self.devices()
     tf = trial.facts or compile_lib.TraceFacts()
+    given = user_shardings.per_leaf(self.options.jit_kwargs, args, self.step.static(len(args)))
     replaced = tuple(i for i, _ in tf.replaced)
     try:
       has_host = any(getattr(m, "kind", "") == "pinned_host"
@@ -88,26 +89,22 @@ class _Base:
         state_argnums=replaced, state_bytes=sum(layout_lib.nbytes(args[i]) for i in replaced),
         batch_size=tf.batch_size, has_host_memory=has_host,
         can_reshard=user_shardings.extendable(self.options.jit_kwargs),
-        reshard_refused=self._reshard_refused(args, kwargs),
-        user_layout=bool(user_shardings.per_leaf(self.options.jit_kwargs, args,
-                                                 self.step.static(len(args)))),
+        reshard_refused=self._reshard_refused(args, kwargs, given),
+        user_layout=bool(given),
         offload_bytes=sum(layout_lib.offload_bytes(args[i], self.options.offload_filter)
                           for i in replaced),
         auto_refused=tf.auto_refused, gradient_seen=tf.auto is not None)
 
-  def _reshard_refused(self, args, kwargs) -> str | None:
+  def _reshard_refused(self, args, kwargs, given) -> str | None:
     """Why the step's own types refuse its state sharded further, or None. Under Explicit
-    axes a step type-checks against its inputs' shardings: traced once to find out."""
-    static = self.step.static(len(args))
-    if not user_shardings.explicit(user_shardings.per_leaf(self.options.jit_kwargs, args,
-                                                           static)):
+    axes a step type-checks against its inputs' shardings (`given`): traced once to see."""
+    if not user_shardings.explicit(given):
       return None
     key = self.step.key(args, kwargs)
     if key not in self._refused:
-      plan, devices = plan_lib.Plan(shard_state=True), self.devices()
-      layout = self.step.layout(plan, args, devices)
-      jitted = self.step.jit(plan, layout, len(args), None, {}, devices)
-      targs, tkw = self.step.abstract(args, kwargs, layout, devices)
+      devices = self.devices()
+      jitted, targs, tkw = self.step.on_devices(plan_lib.Plan(shard_state=True), args, kwargs,
+                                                devices, {})
       self._refused[key] = None
       try:
         with user_shardings.context_on(devices):
@@ -190,11 +187,8 @@ class TargetBackend(_Base):
 
   def compile(self, plan, key, args, kwargs, *, probe=False,
               low_effort=False) -> compile_lib.Trial:
-    devices = self.devices()
-    layout = self.step.layout(plan, args, devices)
-    facts: dict = {}
-    jitted = self.step.jit(plan, layout, len(args), None, facts, devices)
-    targs, tkw = self.step.abstract(args, kwargs, layout, devices)
+    devices, facts = self.devices(), {}
+    jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
     options = dict(plan.compiler_options)
     capacity = self.options.budget
     if probe:

@@ -156,6 +156,13 @@ class StepBuilder:
       return keywords.KeywordsAsPositional(traced, kw, nargs)
     return jax.jit(traced, **kw)
 
+  def on_devices(self, plan: plan_lib.Plan, args, kwargs, devices, facts=None):
+    """The step under `plan` laid out for `devices` (a target's): the jit object and the
+    abstract arguments to lower it with."""
+    layout = self.layout(plan, args, devices)
+    jitted = self.jit(plan, layout, len(args), None, facts, devices)
+    return jitted, *self.abstract(args, kwargs, layout, devices)
+
   def plan_jit(self, plan: plan_lib.Plan, args) -> PlanJit:
     """The local jit object for `plan` (one per plan and, with a layout, state structure)."""
     layout = self.layout(plan, args, jax.devices()) if args is not None else None
