@@ -77,6 +77,29 @@ def test_dear_probes_without_a_real_figure_probe_both_ends():
   assert choice.plan.microbatches == 8 and probes == [16, 2]  # k = 2: the fewest split
 
 
+def test_dear_probes_of_a_familys_two_ends_start_together_before_the_pricing():
+  events = []
+  def start_probes(plans):
+    events.append(("start", sorted(p.microbatches for p in plans)))
+    def read(plan):
+      events.append(("read", plan.microbatches))
+      return _lm_like(plan), 30.0
+    return [lambda p=p: read(p) for p in plans]
+  def flops(plan):
+    events.append(("price", plan.remat_policy))
+    return 1e12 if plan.remat_policy is None else 1.3e12
+  planner = planner_lib.Planner(lambda p: 1 / 0, flops, capacity=int(15.75 * 2**30),
+                                scale=1.0, clock=_Clock(120.0), start_probes=start_probes)
+  planner.observe(hbm_guard.Plan(), real_bytes=None, fits=False, seconds=60.0)
+  families = [hbm_guard.Plan(remat_policy="nothing_saveable"), hbm_guard.Plan()]
+  choice = planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0)
+  assert choice.plan == hbm_guard.Plan(microbatches=8)
+  # The family without remat is started first, priced while its probes run, then read.
+  assert events[0] == ("start", [2, 16]) and events[1][0] == "price"
+  assert [e for e in events if e[0] == "read"] == [("read", 16), ("read", 2)]
+  assert [p.seconds for p in planner.probes] == [30.0, 30.0]  # each one's own seconds
+
+
 def test_another_familys_failure_is_no_anchor():
   # The plain step failed low (an unsplit program, no donation); the donated family's split
   # program holds more at k = 2 than that figure: the model must be anchored in the family.
@@ -172,3 +195,23 @@ def test_dear_probes_take_fewer_microbatches_when_the_anchor_probe_fits():
                                 scale=1.0, clock=_Clock(120.0))
   planner.observe(hbm_guard.Plan(), real_bytes=int(25.12 * 2**30), fits=False, seconds=60.0)
   assert planner.choose([family], [1, 2, 4, 8, 16], offload_bytes=0).plan.microbatches == 2
+
+
+def test_a_later_family_searches_only_the_counts_that_would_cost_less():
+  # The README job's figures (MiB, by microbatch count): the remat family is dearer per
+  # step but fits at fewer microbatches. Its search starts below the count at which it
+  # would cost more than the donated family's best (8 microbatches).
+  figures = {None: {1: 682, 2: 336.5, 4: 155.04, 8: 67.34, 16: 64, 32: 62, 64: 61.15},
+             "dots": {1: 300, 2: 138.54, 4: 61.65, 8: 61.9, 16: 61, 32: 60.6, 64: 60.48}}
+  probed = []
+  def probe(plan):
+    probed.append((plan.remat_policy, plan.microbatches))
+    return int(figures[plan.remat_policy][plan.microbatches] * MiB)
+  flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
+  planner = planner_lib.Planner(probe, flops, capacity=96 * MiB, scale=1.3)
+  choice = planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+                          [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+  assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
+  remat = [k for policy, k in probed if policy == "dots"]
+  assert remat == [4, 2]  # 1.02 x (1 + 0.01 x 4) >= 1.07 from 5 microbatches on: not probed
+  assert len(probed) == 6

@@ -226,6 +226,26 @@ def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_device
   backend_lib.probe(target, flagged, key, (w, x), {}, low_effort=True)
   levels = [o.get("optimization_level") for o in sent if "xla_tpu_max_hbm_size_mib" in o]
   assert levels == ["O0", None, None]  # dear probes only, and never with XLA flags
+  # Dear probes are held to a quarter of the capacity (XLA's remat gives up sooner), the
+  # others to 1 MiB.
+  quarter = int(target.capacity(None) * backend_lib.DEAR_PROBE_LIMIT_FRACTION) // MiB
+  assert [o["xla_tpu_max_hbm_size_mib"] for o in sent] == [quarter, 1, quarter]
+
+
+@pytest.mark.real_compiler
+def test_probes_started_in_a_pool_read_what_probes_one_by_one_do(v5e_devices):
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+  target = _backend(target="v5e:1x1")
+  key = target.step.key((w, x), {})
+  plans = [hbm_guard.Plan(), hbm_guard.Plan(donate_argnums=(0,))]
+  alone = [backend_lib.probe(target, p, key, (w, x), {}) for p in plans]
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    futures = backend_lib.start_probes(target, plans, key, (w, x), {}, pool=pool)
+    together = [f.result() for f in futures]
+  assert [need for need, _ in together] == alone and all(s > 0 for _, s in together)
+  assert alone[1] < alone[0]  # donation: a figure per plan, not one figure twice
 
 
 @pytest.mark.real_compiler

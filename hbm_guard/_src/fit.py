@@ -7,9 +7,11 @@ result, or raises the error a person can act on. Nothing here calls back into th
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from typing import Any
 
@@ -33,6 +35,7 @@ from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import trace as trace_lib
 
 Status = report_lib.Status
+MAX_PROBE_WORKERS = 4  # probes side by side, at most (and no more than the host's cores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,7 @@ class Fit:
     self.ledger, self.key, self.args, self.kwargs = ledger, key, args, kwargs
     self._planner: planner_lib.Planner | None = None
     self._low_effort: bool | None = None  # probes at XLA's lowest effort (dear probes)
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # dear probes' compiles
     self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
     self.budget = budget_lib.Budget(options.max_fit_seconds)
     self.progress = budget_lib.Progress(step.name, self.budget, enabled=options.progress
@@ -175,6 +179,9 @@ class Fit:
       self._out_of_time = e
     finally:
       self.step.saw_lowered(None, None, None, None)  # the fit is over: nothing left to price
+      if self._pool is not None:  # a probe still running is not waited for
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
     if self._out_of_time is not None:
       self._stop_for_time()  # nothing fit in time: not remembered as exhausted
     if cache_key is not None:
@@ -225,16 +232,28 @@ class Fit:
     return trial
 
   def _probe(self, plan: plan_lib.Plan) -> int | None:
+    return self._start_probes([plan])[0]()[0]
+
+  def _start_probes(self, plans) -> list:
+    """Starts probes of `plans` (side by side, where the host has the cores); for each, a call that waits for its figure and seconds. The budget pays
+    for them as for one probe: they run at once."""
     self.budget.check(budget_lib.Spend.PROBE)
-    t0 = time.perf_counter()
     if self._low_effort is None:  # decided once, so that a fit's probes compare
       self._low_effort = bool(self._planner is not None and self._planner.probes_are_dear)
-    need = backend_lib.probe(self.backend, plan, self.key, self.args, self.kwargs,
-                             self._low_effort)
-    seconds = time.perf_counter() - t0
-    self.budget.record(budget_lib.Spend.PROBE, seconds)
-    self.progress.probed(plan.describe(), need, seconds)
-    return need
+    workers = min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
+    if self._pool is None and workers > 1:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          workers, thread_name_prefix="hbm_guard-probe")
+    futures = backend_lib.start_probes(self.backend, plans, self.key, self.args, self.kwargs,
+                                       self._low_effort, self._pool)
+    def waiter(plan, future):
+      def wait():
+        need, seconds = future.result()
+        self.budget.record(budget_lib.Spend.PROBE, seconds)
+        self.progress.probed(plan.describe(), need, seconds)
+        return need, seconds
+      return wait
+    return [waiter(p, f) for p, f in zip(plans, futures)]
 
   def _stop_for_time(self):
     attempts = self.ledger.attempts[self._first:]
@@ -266,7 +285,7 @@ class Fit:
           lambda p: self.step.flops(p, self.args, self.kwargs, len(self.backend.devices())),
           capacity,
           scale=self.backend.probe_scale, exact=self.backend.exact_probes,
-          headroom=o.headroom)
+          headroom=o.headroom, start_probes=self._start_probes)
     self._last = (plan, facts)
     self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
     try:

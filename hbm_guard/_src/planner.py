@@ -37,7 +37,7 @@ PROBE_SCALE = 1.3  # before any real compile: libtpu's early figure ran 0.67-0.9
 # that fit (data parallel without microbatching at 937M: probed 12.78 GiB, 14.38 real).
 LARGE_PROGRAM_PROBE_SCALE = 1.15
 DEAR_PROBE_RATIO = 0.5  # a probe costing this much of a compile, or more, is dear
-DEAR_PROBE_MIN_SECONDS = 20.0  # below this, probing is cheap whatever a compile costs
+DEAR_PROBE_MIN_SECONDS = 10.0  # below this, probing is cheap whatever a compile costs
 DEAR_COMPILE_SECONDS = 10.0  # a failed compile this slow: its probes will be dear too
 
 
@@ -83,8 +83,12 @@ class Planner:
   def __init__(self, probe: Callable[[plan_lib.Plan], int | None],
                flops: Callable[[plan_lib.Plan], float | None], capacity: int,
                scale: float = 1.0, *, exact: bool = False, headroom: float = HEADROOM,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter,
+               start_probes: Callable[[Sequence[plan_lib.Plan]],
+                                      list[Callable[[], tuple[int | None, float]]]] | None = None):
     self._probe, self._flops, self._capacity = probe, flops, capacity
+    self._start = start_probes  # probes started at once; each waited for when read
+    self._pending: dict[plan_lib.Plan, Callable[[], tuple[int | None, float]]] = {}
     self._clock = clock
     self.compile_seconds: list[float] = []  # of the real compiles this planner observed
     self._predicted: dict[plan_lib.Plan, int] = {}  # modelled needs, in probe units
@@ -99,6 +103,7 @@ class Planner:
     self._cost: dict[plan_lib.Plan, float | None] = {}
     self.failed: set[plan_lib.Plan] = set()
     self.optimistic_tried = False
+    self._dear = False  # once probes were dear, they stay so for this fit (they compare)
     self.data_parallel_failed = False  # a data-parallel plan its probe said fits did not
 
   # -- figures --------------------------------------------------------------------------
@@ -106,13 +111,40 @@ class Planner:
   def need(self, plan: plan_lib.Plan) -> int | None:
     plan = _key(plan)
     if plan not in self._need:
-      t0 = self._clock()
-      need = self._probe(plan)
-      seconds = self._clock() - t0
+      pending = self._pending.pop(plan, None)
+      if pending is not None:
+        need, seconds = pending()
+      else:
+        t0 = self._clock()
+        need = self._probe(plan)
+        seconds = self._clock() - t0
       self.probes.append(Probe(plan, need, seconds))
       logging.info("hbm_guard: probe %s: %s bytes (%.1f s)", plan.describe(), need, seconds)
       self._need[plan] = need
     return self._need[plan]
+
+  def prefetch(self, plans: Sequence[plan_lib.Plan]) -> None:
+    """Starts probes of the plans not yet measured, to be read later: beside each other
+    and beside the pricing, where the fit runs probes side by side."""
+    todo = [p for p in dict.fromkeys(_key(p) for p in plans)
+            if p not in self._need and p not in self._pending]
+    if todo and self._start is not None:
+      self._pending.update(zip(todo, self._start(todo)))
+
+  def _prefetch_family(self, family: plan_lib.Plan, counts: Sequence[int]) -> None:
+    """The first two figures a family's search reads, started together: where probes are
+    dear, the two its count is modelled from; else the top and the bisection's first."""
+    if len(counts) < 2:
+      return
+    at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
+    if _key(at(counts[-1])) in self.failed:
+      return
+    plans = [at(counts[-1])]
+    if not self.probes_are_dear:
+      plans.append(at(counts[(len(counts) - 1) // 2]))
+    elif not self._anchors(family, counts[-1]):
+      plans.append(at(_anchor_count(counts)))
+    self.prefetch(plans)
 
   def observe(self, plan: plan_lib.Plan, real_bytes: int | None, fits: bool,
               seconds: float | None = None):
@@ -162,13 +194,17 @@ class Planner:
   @property
   def probes_are_dear(self) -> bool:
     """Whether a probe costs about what a compile does (then one per family must do).
-    Before any probe, a failed compile this slow says its probes will be too."""
-    if not self.compile_seconds:
-      return False
+    Before any probe, a failed compile this slow says its probes will be too. Once dear,
+    dear for the fit: its probes were made at one effort, and compare."""
+    if self._dear or not self.compile_seconds:
+      return self._dear
     if not self.probes:
-      return max(self.compile_seconds) >= DEAR_COMPILE_SECONDS
-    mean = sum(p.seconds for p in self.probes) / len(self.probes)
-    return mean >= max(DEAR_PROBE_MIN_SECONDS, DEAR_PROBE_RATIO * max(self.compile_seconds))
+      self._dear = max(self.compile_seconds) >= DEAR_COMPILE_SECONDS
+    else:
+      mean = sum(p.seconds for p in self.probes) / len(self.probes)
+      self._dear = mean >= max(DEAR_PROBE_MIN_SECONDS,
+                               DEAR_PROBE_RATIO * max(self.compile_seconds))
+    return self._dear
 
   def figure(self, plan: plan_lib.Plan) -> int | None:
     """A plan's need in probe units: measured if it was, else modelled, else probed."""
@@ -190,12 +226,10 @@ class Planner:
     at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
     k1 = counts[-1]
     n1 = self.need(at(k1))
-    anchors = sorted((p.microbatches, n) for p, n in self._real.items()
-                     if _key(dataclasses.replace(p, microbatches=1)) == _key(family)
-                     and p.microbatches < k1)
+    anchors = self._anchors(family, k1)
     scale = self.scale if self._ratios else 1.0  # probes against real: no prior to inflate
     if not anchors:
-      k0 = counts[1] if len(counts) > 2 and counts[0] == 1 else counts[0]
+      k0 = _anchor_count(counts)
       n0 = self.need(at(k0))
       if n0 is None:
         return k1  # no second figure: the most microbatches, which its probe said fit
@@ -219,18 +253,29 @@ class Planner:
         return k
     return None
 
+  def _anchors(self, family: plan_lib.Plan, k1: int) -> list[tuple[int, int]]:
+    """This family's failed compiles below `k1` microbatches: (count, real figure)."""
+    return sorted((p.microbatches, n) for p, n in self._real.items()
+                  if _key(dataclasses.replace(p, microbatches=1)) == _key(family)
+                  and p.microbatches < k1)
+
   def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
     """The fewest microbatches predicted to fit in this family, by bisection (by the
     two-point model when probes are dear)."""
+    if not counts:
+      return None
+    at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
     lo, hi = 0, len(counts) - 1
-    top = dataclasses.replace(family, microbatches=counts[hi])
-    if _key(top) in self.failed or not self.fits(self.need(top)):
+    if _key(at(counts[hi])) in self.failed:
+      return None
+    self._prefetch_family(family, counts)
+    if not self.fits(self.need(at(counts[hi]))):
       return None
     if self.probes_are_dear and len(counts) > 1:
       return self._modelled_count(family, counts)
     while lo < hi:
       mid = (lo + hi) // 2
-      plan = dataclasses.replace(family, microbatches=counts[mid])
+      plan = at(counts[mid])
       if _key(plan) not in self.failed and self.fits(self.need(plan)):
         hi = mid
       else:
@@ -239,13 +284,20 @@ class Planner:
 
   def choose(self, families: Sequence[plan_lib.Plan], counts: Sequence[int],
              offload_bytes: int) -> Choice | None:
-    """The cheapest plan predicted to fit, over families priced cheapest first."""
+    """The cheapest plan predicted to fit, over families priced cheapest first. The likely
+    cheapest family's first probes are started before the pricing. A later
+    family searches only the counts that would cost less than the best so far: its top
+    probe is then at fewer microbatches (the README job: 6 probes, not 8)."""
+    if families:
+      self._prefetch_family(min(families, key=_likely_cost), counts)
     priced = sorted(families, key=lambda f: self.cost(f, offload_bytes))
     best: Choice | None = None
     for family in priced:
       if best is not None and self.cost(family, offload_bytes) >= best.cost:
         break  # every plan of this family costs more than the best already found
-      k = self.smallest_count(family, counts)
+      worth = [k for k in counts if best is None or self.cost(
+          dataclasses.replace(family, microbatches=k), offload_bytes) < best.cost]
+      k = self.smallest_count(family, worth)
       if k is None:
         continue
       plan = dataclasses.replace(family, microbatches=k)
@@ -258,6 +310,17 @@ class Planner:
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
+
+
+def _likely_cost(family: plan_lib.Plan) -> tuple[bool, bool, bool]:
+  """Orders families before their flops are counted: remat recomputes, offload moves
+  bytes, a batch sharded over the chips divides the work."""
+  return (family.remat_policy is not None, family.offload_optimizer, not family.shard_batch)
+
+
+def _anchor_count(counts: Sequence[int]) -> int:
+  """The count a family's second figure is probed at: the fewest that splits the batch."""
+  return counts[1] if len(counts) > 2 and counts[0] == 1 else counts[0]
 
 
 def _key(plan: plan_lib.Plan) -> plan_lib.Plan:
