@@ -230,6 +230,12 @@ def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_device
   # others to 1 MiB.
   quarter = int(target.capacity(None) * backend_lib.DEAR_PROBE_LIMIT_FRACTION) // MiB
   assert [o["xla_tpu_max_hbm_size_mib"] for o in sent] == [quarter, 1, quarter]
+  # At a toy's capacity (43 MiB: O0 read 120 MiB where the default read 40), never.
+  sent.clear()
+  toy = _backend(target="v5e:1x1", capacity="43MiB")
+  backend_lib.probe(toy, hbm_guard.Plan(), toy.step.key((w, x), {}), (w, x), {}, low_effort=True)
+  assert [(o.get("optimization_level"), o["xla_tpu_max_hbm_size_mib"]) for o in sent] == [
+      (None, 1)]
 
 
 @pytest.mark.real_compiler

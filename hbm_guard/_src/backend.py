@@ -41,6 +41,10 @@ PROBE_OPTIONS = (("optimization_level", "O0"),)
 # either way, 9.9 s against 39.4. A plan that fits in the quarter compiles whole, and its
 # peak is its figure.
 DEAR_PROBE_LIMIT_FRACTION = 0.25
+# Low effort is for real sizes only: on a step failing at 43 MiB, O0 read 120 MiB where the
+# default effort read 40 (and 108 against 36 for its offload plan), and a first compile in
+# a process can be slow enough to look dear.
+LOW_EFFORT_MIN_CAPACITY = 1 << 30
 
 
 class Backend(Protocol):
@@ -199,9 +203,10 @@ class TargetBackend(_Base):
     jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
     options = dict(plan.compiler_options)
     capacity = self.options.budget
+    low_effort = low_effort and (capacity or 0) >= LOW_EFFORT_MIN_CAPACITY
     if probe:
       options["xla_tpu_max_hbm_size_mib"] = PROBE_LIMIT_MIB
-      if low_effort and capacity:
+      if low_effort:
         options["xla_tpu_max_hbm_size_mib"] = max(
             PROBE_LIMIT_MIB, int(capacity * DEAR_PROBE_LIMIT_FRACTION) // MiB)
       if (low_effort and not plan.compiler_options

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -47,6 +48,14 @@ class AboveClass:
 
   def to_dict(self) -> dict[str, Any]:
     return {"class": self.klass, "plan": self.plan, "predicted_bytes": self.predicted_bytes}
+
+
+def _probe_pool() -> concurrent.futures.ThreadPoolExecutor | None:
+  """Threads for probes' compiles (each is one core's work in libtpu), if the host has
+  more than one core."""
+  workers = min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
+  return concurrent.futures.ThreadPoolExecutor(
+      workers, thread_name_prefix="hbm_guard-probe") if workers > 1 else None
 
 
 class Ledger:
@@ -235,25 +244,21 @@ class Fit:
     return self._start_probes([plan])[0]()[0]
 
   def _start_probes(self, plans) -> list:
-    """Starts probes of `plans` (side by side, where the host has the cores); for each, a call that waits for its figure and seconds. The budget pays
-    for them as for one probe: they run at once."""
+    """Starts probes of `plans`, side by side where the host has the cores; for each, a
+    call that waits for its figure and seconds. The budget pays for them as for one."""
     self.budget.check(budget_lib.Spend.PROBE)
     if self._low_effort is None:  # decided once, so that a fit's probes compare
       self._low_effort = bool(self._planner is not None and self._planner.probes_are_dear)
-    workers = min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
-    if self._pool is None and workers > 1:
-      self._pool = concurrent.futures.ThreadPoolExecutor(
-          workers, thread_name_prefix="hbm_guard-probe")
+    self._pool = self._pool or _probe_pool()
     futures = backend_lib.start_probes(self.backend, plans, self.key, self.args, self.kwargs,
                                        self._low_effort, self._pool)
-    def waiter(plan, future):
-      def wait():
-        need, seconds = future.result()
-        self.budget.record(budget_lib.Spend.PROBE, seconds)
-        self.progress.probed(plan.describe(), need, seconds)
-        return need, seconds
-      return wait
-    return [waiter(p, f) for p, f in zip(plans, futures)]
+    return [functools.partial(self._read_probe, p, f) for p, f in zip(plans, futures)]
+
+  def _read_probe(self, plan: plan_lib.Plan, future) -> tuple[int | None, float]:
+    need, seconds = future.result()
+    self.budget.record(budget_lib.Spend.PROBE, seconds)
+    self.progress.probed(plan.describe(), need, seconds)
+    return need, seconds
 
   def _stop_for_time(self):
     attempts = self.ledger.attempts[self._first:]

@@ -217,42 +217,6 @@ class Planner:
 
   # -- the choice -----------------------------------------------------------------------
 
-  def _modelled_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
-    """The fewest microbatches predicted to fit from need(k) ~ F + P / k through two
-    figures of this family: its probe at the most microbatches, and at fewer its latest
-    failed compile, else a probe at the fewest split. Another family's figure is no anchor:
-    a split step holds accumulators an unsplit one does not, and libtpu's early check of
-    the unsplit step read below its split at 368M (19.37 GiB, then 20.47 at k = 2)."""
-    at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
-    k1 = counts[-1]
-    n1 = self.need(at(k1))
-    anchors = self._anchors(family, k1)
-    scale = self.scale if self._ratios else 1.0  # probes against real: no prior to inflate
-    if not anchors:
-      k0 = _anchor_count(counts)
-      n0 = self.need(at(k0))
-      if n0 is None:
-        return k1  # no second figure: the most microbatches, which its probe said fit
-      if n0 * scale <= self.headroom * self._capacity:
-        # the anchor itself fits: the one count below it (unsplit: another program, so
-        # probed, not extrapolated) may too
-        below = [k for k in counts if k < k0 and _key(at(k)) not in self.failed]
-        n_below = self.need(at(below[-1])) if below else None
-        if n_below is not None and n_below * scale <= self.headroom * self._capacity:
-          return below[-1]
-        return k0
-      anchors = [(k0, n0)]
-    k0, n0 = anchors[-1]
-    per = max(0.0, (n0 - n1 * scale) / (1 / k0 - 1 / k1))
-    fixed = n1 * scale - per / k1
-    for k in counts:
-      plan = _key(at(k))
-      predicted = int((fixed + per / k) / scale)  # in probe units, as the planner keeps them
-      if plan not in self.failed and k > k0 and predicted * scale <= self.headroom * self._capacity:
-        self._predicted[plan] = predicted
-        return k
-    return None
-
   def _anchors(self, family: plan_lib.Plan, k1: int) -> list[tuple[int, int]]:
     """This family's failed compiles below `k1` microbatches: (count, real figure)."""
     return sorted((p.microbatches, n) for p, n in self._real.items()
@@ -272,7 +236,7 @@ class Planner:
     if not self.fits(self.need(at(counts[hi]))):
       return None
     if self.probes_are_dear and len(counts) > 1:
-      return self._modelled_count(family, counts)
+      return _modelled_count(self, family, counts)
     while lo < hi:
       mid = (lo + hi) // 2
       plan = at(counts[mid])
@@ -310,6 +274,45 @@ class Planner:
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
+
+
+def _modelled_count(planner: Planner, family: plan_lib.Plan, counts: Sequence[int]
+                    ) -> int | None:
+  """The fewest microbatches predicted to fit from need(k) ~ F + P / k through two
+  figures of this family: its probe at the most microbatches, and at fewer its latest
+  failed compile, else a probe at the fewest split. Another family's figure is no anchor:
+  a split step holds accumulators an unsplit one does not, and libtpu's early check of
+  the unsplit step read below its split at 368M (19.37 GiB, then 20.47 at k = 2)."""
+  # pylint: disable=protected-access  (the planner's own figures: kept here for its size)
+  at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
+  k1 = counts[-1]
+  n1 = planner.need(at(k1))
+  anchors = planner._anchors(family, k1)
+  scale = planner.scale if planner._ratios else 1.0  # probes against real: no prior to inflate
+  if not anchors:
+    k0 = _anchor_count(counts)
+    n0 = planner.need(at(k0))
+    if n0 is None:
+      return k1  # no second figure: the most microbatches, which its probe said fit
+    if n0 * scale <= planner.headroom * planner._capacity:
+      # the anchor itself fits: the one count below it (unsplit: another program, so
+      # probed, not extrapolated) may too
+      below = [k for k in counts if k < k0 and _key(at(k)) not in planner.failed]
+      n_below = planner.need(at(below[-1])) if below else None
+      if n_below is not None and n_below * scale <= planner.headroom * planner._capacity:
+        return below[-1]
+      return k0
+    anchors = [(k0, n0)]
+  k0, n0 = anchors[-1]
+  per = max(0.0, (n0 - n1 * scale) / (1 / k0 - 1 / k1))
+  fixed = n1 * scale - per / k1
+  for k in counts:
+    plan = _key(at(k))
+    predicted = int((fixed + per / k) / scale)  # in probe units, as the planner keeps them
+    if plan not in planner.failed and k > k0 and predicted * scale <= planner.headroom * planner._capacity:
+      planner._predicted[plan] = predicted
+      return k
+  return None
 
 
 def _likely_cost(family: plan_lib.Plan) -> tuple[bool, bool, bool]:
