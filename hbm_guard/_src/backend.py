@@ -167,9 +167,9 @@ class LocalBackend(_Base):
     largs, lkw = self.step.abstract(args, kwargs, entry.layout) if entry.layout else (args, kwargs)
     try:
       def compile_fn():
-        lowered = entry.jitted.lower(*largs, **lkw)
-        self.step.saw_lowered(plan, args, kwargs, lowered)
-        return lowered.compile()
+        traced = entry.jitted.trace(*largs, **lkw)
+        self.step.saw_traced(plan, args, kwargs, traced)
+        return traced.lower().compile()
       return self._trial(plan, compile_fn, lambda: entry.facts.get(key), self.capacity(args),
                          largs)
     finally:
@@ -224,7 +224,9 @@ class TargetBackend(_Base):
         plan, key, args, kwargs, probe, low_effort)
     def compile_fn():
       with user_shardings.context_on(devices):
-        return jitted.lower(*targs, **tkw).compile(options)
+        traced = jitted.trace(*targs, **tkw)
+        self.step.saw_traced(plan, args, kwargs, traced)
+        return traced.lower().compile(options)
     return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
   def staged_probe(self, plan, key, args, kwargs, low_effort=False

@@ -187,7 +187,7 @@ class Fit:
     except budget_lib.OutOfTime as e:  # a compile the budget could not pay for
       self._out_of_time = e
     finally:
-      self.step.saw_lowered(None, None, None, None)  # the fit is over: nothing left to price
+      self.step.saw_traced(None, None, None, None)  # the fit is over: nothing left to price
       if self._pool is not None:  # a probe still running is not waited for
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None

@@ -19,6 +19,7 @@ from hbm_guard._src import auto_grad
 from hbm_guard._src import auto_offload
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
+from hbm_guard._src import flop_count
 from hbm_guard._src import intercept
 from hbm_guard._src import keywords
 from hbm_guard._src import layout as layout_lib
@@ -66,7 +67,7 @@ class StepBuilder:
     self.n_outputs: int | None = None
     self._jits: dict[Hashable, PlanJit] = {}
     self._flops_of: dict[Hashable, float | None] = {}  # (plan run locally, signature) -> flops
-    self._last_lowered: tuple[Hashable, Any] | None = None  # (that key, the latest lowering)
+    self._last_traced: tuple[Hashable, Any] | None = None  # (that key, the latest jaxpr)
 
   def static(self, nargs: int) -> tuple[int, ...]:
     return tuple(i % nargs for i in self.options.static_argnums) if nargs else ()
@@ -191,9 +192,9 @@ class StepBuilder:
     return out
 
   def flops(self, plan: plan_lib.Plan, args, kwargs, n_devices: int = 1) -> float | None:
-    """The step's compute per device under `plan`, by the compiler's count of the whole
-    batch's program: a plan that shards the batch over n devices does 1/n of it on each;
-    one that leaves it replicated does all of it on every device."""
+    """The step's compute per device under `plan`, counted on the whole batch's program:
+    a plan that shards the batch over n devices does 1/n of it on each; one that leaves
+    it replicated does all of it on every device."""
     flops = self._flops(plan, args, kwargs)
     skip = {i for i, _ in self.replaced} | set(self.static(len(args)))
     if flops and layout_lib.batch_sharded(plan, args, skip, n_devices):
@@ -203,28 +204,22 @@ class StepBuilder:
   def _flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
     key = (_run_locally(plan), self.key(args, kwargs))
     if key not in self._flops_of:  # plans that differ only in layout run the same program
-      pending, flops = self._last_lowered, None
+      pending, jaxpr = self._last_traced, None
       if pending is not None and pending[0] == key:
-        self._last_lowered = None
-        try:
-          flops = _flops_of(pending[1])
-        except Exception:  # pylint: disable=broad-except  (then lowered here, below)
-          pass
-      if flops is None:
-        try:
-          flops = _flops_of(self.jit(key[0], None, len(args)).lower(*args, **kwargs))
-        except Exception:  # pylint: disable=broad-except  (a backend without cost analysis)
-          pass
-      self._flops_of[key] = flops
+        self._last_traced, jaxpr = None, pending[1]
+      try:
+        if jaxpr is None:
+          jaxpr = self.jit(key[0], None, len(args)).trace(*args, **kwargs).jaxpr
+        self._flops_of[key] = flop_count.count(jaxpr) or None
+      except Exception:  # pylint: disable=broad-except  (a price is a preference, not a need)
+        self._flops_of[key] = None
     return self._flops_of[key]
 
-  def saw_lowered(self, plan: plan_lib.Plan, args, kwargs, lowered) -> None:
-    """The latest local compile's own lowering, kept (one) so that pricing its plan does
-    not lower the step again: seconds at real size. (A target's lowering cannot be costed:
-    "implemented for a PjRt-compatible backend only".) Counted only if asked for; None
-    lets it go."""
-    self._last_lowered = None if lowered is None else (
-        (_run_locally(plan), self.key(args, kwargs)), lowered)
+  def saw_traced(self, plan: plan_lib.Plan, args, kwargs, traced) -> None:
+    """The latest compile's own trace, kept (one jaxpr) so that pricing its plan does not
+    trace the step again: seconds at real size, on a target too. None lets it go."""
+    self._last_traced = None if traced is None else (
+        (_run_locally(plan), self.key(args, kwargs)), traced.jaxpr)
 
 
 def _run_locally(plan: plan_lib.Plan) -> plan_lib.Plan:
@@ -232,10 +227,3 @@ def _run_locally(plan: plan_lib.Plan) -> plan_lib.Plan:
   return dataclasses.replace(plan, offload_optimizer=False, shard_state=False,
                              shard_batch=False, donate_argnums=(), compiler_options=(),
                              rungs=())
-
-
-def _flops_of(lowered) -> float | None:
-  analysis = lowered.cost_analysis()
-  if isinstance(analysis, (list, tuple)):
-    analysis = analysis[0] if analysis else {}
-  return float((analysis or {}).get("flops", 0.0)) or None
