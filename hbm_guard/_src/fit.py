@@ -147,7 +147,7 @@ class Fit:
     self.ledger, self.key, self.args, self.kwargs = ledger, key, args, kwargs
     self._planner: planner_lib.Planner | None = None
     self._low_effort: bool | None = None  # probes at XLA's lowest effort (dear probes)
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # dear probes' compiles
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # probes' compiles
     self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
     self.budget = budget_lib.Budget(options.max_fit_seconds)
     self.progress = budget_lib.Progress(step.name, self.budget, enabled=options.progress

@@ -6,10 +6,11 @@ count that divides the batch. A probe is a compile given a tiny HBM limit: libtp
 check fails it in seconds and prints what the program needs (arguments included). On a
 backend without that check (capacity= on CPU) a probe is a full compile, which is cheap
 there. Need falls with the microbatch count, so the smallest count predicted to fit is
-found by bisection over the divisors of the batch, per family (remat policy x offload).
-Compute cost (the compiler's flop count of the step, times the microbatch count, plus the
-host transfers of offload) orders the families; the cheapest plan predicted to fit is
-compiled for real, and every real figure recalibrates the probe's scale.
+found by bisection over the divisors of the batch, per family (remat policy x offload),
+or where probes are dear by two figures of `F + P / k`; a family's first two probes are
+started together, beside the pricing. Compute cost (the step's flop count, +1% per extra
+microbatch, plus the host transfers of offload) orders the families; the cheapest plan
+predicted to fit is compiled for real, and every real figure recalibrates the probe's scale.
 """
 
 from __future__ import annotations
