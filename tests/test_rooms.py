@@ -255,12 +255,19 @@ def test_probes_started_in_a_pool_read_what_probes_one_by_one_do(v5e_devices):
 
 
 @pytest.mark.real_compiler
-def test_a_targets_plans_are_priced_by_a_local_lowering(v5e_devices):
+def test_a_targets_compile_prices_its_plan_from_its_own_trace(v5e_devices, monkeypatch):
   # A target's lowering cannot be costed ("implemented for a PjRt-compatible backend
-  # only"): had it been kept, every plan would cost the same and data parallel never win.
+  # only"); its jaxpr can be counted: the failed compile's trace prices its family (donation
+  # aside, the same program), with no second trace.
   w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
   x = jax.ShapeDtypeStruct((32, 256), jnp.float32)
   target = _backend(target="v5e:1x1")
   key = target.step.key((w, x), {})
   target.compile(hbm_guard.Plan(), key, (w, x), {})
-  assert target.step.flops(hbm_guard.Plan(donate_argnums=(0,)), (w, x), {}) > 2 * 32 * 256 * 256
+  jitted = []
+  jit = target.step.jit
+  monkeypatch.setattr(target.step, "jit", lambda *a, **k: jitted.append(a[0]) or jit(*a, **k))
+  flops = target.step.flops(hbm_guard.Plan(donate_argnums=(0,)), (w, x), {})
+  assert jitted == [] and flops > 2 * 32 * 256 * 256
+  assert target.step.flops(hbm_guard.Plan(remat_policy="nothing_saveable"), (w, x), {})
+  assert len(jitted) == 1  # another program: traced once
