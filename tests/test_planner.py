@@ -1,5 +1,7 @@
 """The planner's probe calibration: a prior until real compiles measure how low probes run."""
 
+import dataclasses
+
 import hbm_guard
 from hbm_guard._src import planner as planner_lib
 
@@ -215,3 +217,31 @@ def test_a_later_family_searches_only_the_counts_that_would_cost_less():
   remat = [k for policy, k in probed if policy == "dots"]
   assert remat == [4, 2]  # 1.02 x (1 + 0.01 x 4) >= 1.07 from 5 microbatches on: not probed
   assert len(probed) == 6
+
+
+def test_what_is_made_while_the_first_compile_runs_is_what_the_planner_starts_with():
+  # prepare.fallback lowers these probes and prices these families while a fit's first
+  # compile runs; a planner asking for others would waste that work.
+  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  rungs = ladder_lib.load_ladder()
+  facts = ladder_lib.StepFacts(platform="tpu", num_devices=1, plan_reads=frozenset({"*"}),
+                               state_argnums=(0,), state_bytes=40 * MiB, batch_size=16)
+  for seconds, dear in ((60.0, True), (2.0, False)):
+    started, priced = [], []
+    def start_probes(plans, started=started):
+      started.append([p.microbatches for p in plans])
+      return [lambda: (None, 1.0) for _ in plans]
+    def flops(plan, priced=priced):
+      priced.append(plan)
+      return 1e12 * (1.2 if plan.remat_policy else 1.0)
+    planner = planner_lib.Planner(lambda p: None, flops, capacity=int(15.75 * 2**30),
+                                  start_probes=start_probes)
+    planner.observe(hbm_guard.Plan(), real_bytes=None, fits=False, seconds=seconds)
+    fams, counts, _ = planner_lib.families(rungs, hbm_guard.Plan(), facts, "numerics")
+    planner.choose(fams, counts, offload_bytes=0)
+    probes, others = planner_lib.opening(rungs, hbm_guard.Plan(), facts, "numerics", dear)
+    assert started[0] == [p.microbatches for p in probes] == ([16, 2] if dear else [16, 4])
+    assert {p.donate_argnums for p in probes} == {(0,)} and len(fams) > 1
+    first = dataclasses.replace(probes[0], microbatches=1, rungs=())
+    assert {dataclasses.replace(p, rungs=()) for p in priced} == {
+        dataclasses.replace(p, rungs=()) for p in others} | {first}

@@ -2,6 +2,7 @@
 compiles; each backend compiles for real (the end to end tests are elsewhere)."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -271,3 +272,80 @@ def test_a_targets_compile_prices_its_plan_from_its_own_trace(v5e_devices, monke
   assert jitted == [] and flops > 2 * 32 * 256 * 256
   assert target.step.flops(hbm_guard.Plan(remat_policy="nothing_saveable"), (w, x), {})
   assert len(jitted) == 1  # another program: traced once
+
+
+class _Recorder:
+  """A backend and a step builder that record what a preparation asks of them."""
+
+  def __init__(self):
+    self.asked = []
+
+  def step_facts(self, args, kwargs, trial):
+    return _facts(platform="tpu", batch_size=16)
+
+  def devices(self):
+    return [None]
+
+  def stage(self, plan, *a):
+    self.asked.append(("stage", plan.microbatches))
+
+  def flops(self, plan, *a):
+    self.asked.append(("price", plan.remat_policy))
+
+
+def test_a_preparation_lowers_the_opening_probes_then_prices_and_stops_when_told():
+  from hbm_guard._src import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  opts = options_lib.GuardOptions(state_argnums=0, max_class="numerics")
+  rec = _Recorder()
+  prep = prepare_lib.Preparation(rec, rec, opts, "k", (), {}, hbm_guard.Plan())
+  prep._run(compile_lib.TraceFacts(), started=time.perf_counter() - 60)  # pylint: disable=protected-access
+  assert rec.asked[:2] == [("stage", 16), ("stage", 2)]  # a 60-s compile: dear probes' pair
+  assert rec.asked[2:] and all(kind == "price" for kind, _ in rec.asked[2:])
+  assert len(prep.done) == len(rec.asked)
+  rec.asked.clear()
+  stopped = prepare_lib.Preparation(rec, rec, opts, "k", (), {}, hbm_guard.Plan())
+  stopped.stop()  # the compile ended first: nothing is made
+  stopped._run(compile_lib.TraceFacts(), started=time.perf_counter())  # pylint: disable=protected-access
+  assert rec.asked == [] and stopped.done == []
+
+
+def _mlp_step(w, batch):
+  def loss_fn(w):
+    return jnp.mean((jnp.tanh(batch["x"] @ w["a"]) @ w["b"] - batch["y"]) ** 2)
+  loss, grads = jax.value_and_grad(loss_fn)(w)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, w, grads), loss
+
+
+@pytest.mark.real_compiler
+def test_while_the_first_compile_runs_the_probes_its_failure_reads_first_are_lowered(
+    v5e_devices, monkeypatch, tmp_path):
+  # At 368M parameters a probe's lowering is ~7-10 s of Python, and the plain step's failing
+  # compile ~25 s of libtpu's outside Python: lowered meanwhile, the probes were read 19 s
+  # sooner. The search and its figures are the same as without.
+  from hbm_guard._src import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  S = jax.ShapeDtypeStruct  # pylint: disable=invalid-name
+  w = {"a": S((512, 2048), jnp.float32), "b": S((2048, 512), jnp.float32)}
+  batch = {"x": S((4096, 512), jnp.float32), "y": S((4096, 512), jnp.float32)}
+  staged, lowered = [], []
+  stage, lower = backend_lib.TargetBackend.stage, backend_lib.TargetBackend._lower  # pylint: disable=protected-access
+  monkeypatch.setattr(backend_lib.TargetBackend, "stage",
+                      lambda self, p, *a: staged.append(p.describe()) or stage(self, p, *a))
+  monkeypatch.setattr(backend_lib.TargetBackend, "_lower",
+                      lambda self, p, *a: lowered.append(p.describe()) or lower(self, p, *a))
+
+  def fit(after):
+    monkeypatch.setattr(prepare_lib, "AFTER_SECONDS", after)
+    g = hbm_guard.guarded_jit(_mlp_step, state_argnums=0, target="v5e:1x1", capacity="30MiB",
+                              max_class="numerics", plan_cache=False,
+                              report_dir=str(tmp_path), progress=False)
+    plan = g.fit(w, batch)
+    return plan, [(p.plan.describe(), p.need_bytes)
+                  for a in g.attempts if a.planning for p in a.planning.probes]
+
+  alone = fit(float("inf"))
+  assert not staged and len(alone[1]) > 1
+  lowered.clear()
+  assert fit(0.0) == alone  # the same plan, from the same probes read in the same order
+  read = [d for d, _ in alone[1]]
+  assert staged and staged == read[:len(staged)]  # the first of them, lowered meanwhile
+  assert all(lowered.count(d) == 1 for d in read)  # and not lowered again

@@ -47,6 +47,15 @@ DEAR_PROBE_LIMIT_FRACTION = 0.25
 LOW_EFFORT_MIN_CAPACITY = 1 << 30
 
 
+class Meanwhile(Protocol):
+  """Work beside a compile (prepare.Preparation): started with the trace's facts as the
+  compile begins, stopped as it ends."""
+
+  def start(self, facts: compile_lib.TraceFacts | None, started: float) -> None: ...
+
+  def stop(self) -> None: ...
+
+
 class Backend(Protocol):
   platform: str
   probe_scale: float  # real need / probe figure, before any real compile measured it
@@ -61,7 +70,7 @@ class Backend(Protocol):
   def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan: ...
 
   def compile(self, plan: plan_lib.Plan, key, args, kwargs, *, probe: bool = False,
-              low_effort: bool = False
+              low_effort: bool = False, meanwhile: Meanwhile | None = None
               ) -> compile_lib.Trial: ...
 
   def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts: ...
@@ -160,8 +169,9 @@ class LocalBackend(_Base):
     return targets_lib.capacity_from_stats(stats, layout_lib.nbytes(
         [x for x in jax.tree_util.tree_leaves(args) if isinstance(x, jax.Array)]))
 
-  def compile(self, plan, key, args, kwargs, *, probe=False,
-              low_effort=False) -> compile_lib.Trial:
+  def compile(self, plan, key, args, kwargs, *, probe=False, low_effort=False,
+              meanwhile=None) -> compile_lib.Trial:
+    del meanwhile  # nothing to prepare here: a probe is a full compile
     entry = self.step.plan_jit(self.runnable(plan), args)
     entry.allowed.add(key)
     largs, lkw = self.step.abstract(args, kwargs, entry.layout) if entry.layout else (args, kwargs)
@@ -188,6 +198,8 @@ class TargetBackend(_Base):
   def __init__(self, step, options):
     super().__init__(step, options)
     self.target = options.target
+    # (program, signature) -> a lowering made ahead (prepare.py), read once by its probe
+    self._staged: dict[tuple[plan_lib.Plan, Any], concurrent.futures.Future] = {}
 
   def devices(self) -> list[Any]:
     return self.target.devices()
@@ -198,9 +210,9 @@ class TargetBackend(_Base):
   def capacity(self, args) -> int | None:
     return self.options.budget
 
-  def _prepared(self, plan, key, args, kwargs, probe, low_effort):
-    devices, facts = self.devices(), {}
-    jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
+  def _options(self, plan, probe, low_effort) -> tuple[dict[str, Any], int | None]:
+    """The compiler options a compile (or a probe) of `plan` gets, and the capacity its
+    memory_analysis is held to (None: libtpu's own verdict counts the arguments)."""
     options = dict(plan.compiler_options)
     capacity = self.options.budget
     low_effort = low_effort and (capacity or 0) >= LOW_EFFORT_MIN_CAPACITY
@@ -216,40 +228,89 @@ class TargetBackend(_Base):
       options["xla_tpu_max_hbm_size_mib"] = max(1, capacity // MiB)
     if probe or targets_lib.compiler_counts_arguments(self.target):
       capacity = None  # libtpu's own verdict at that limit counts arguments too
-    return devices, facts, jitted, targs, tkw, options, capacity
+    return options, capacity
 
-  def compile(self, plan, key, args, kwargs, *, probe=False,
-              low_effort=False) -> compile_lib.Trial:
-    devices, facts, jitted, targs, tkw, options, capacity = self._prepared(
-        plan, key, args, kwargs, probe, low_effort)
+  def compile(self, plan, key, args, kwargs, *, probe=False, low_effort=False,
+              meanwhile: Meanwhile | None = None) -> compile_lib.Trial:
+    """One compile (or probe) of `plan`; `meanwhile` runs beside the compile itself."""
+    options, capacity = self._options(plan, probe, low_effort)
+    devices, facts = self.devices(), {}
+    jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
     def compile_fn():
+      t0 = time.perf_counter()
       with user_shardings.context_on(devices):
         traced = jitted.trace(*targs, **tkw)
         self.step.saw_traced(plan, args, kwargs, traced)
-        return traced.lower().compile(options)
+        lowered = traced.lower()
+      if meanwhile is not None:
+        meanwhile.start(facts.get(key), t0)
+      try:
+        return lowered.compile(options)
+      finally:
+        if meanwhile is not None:
+          meanwhile.stop()
     return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
-  def staged_probe(self, plan, key, args, kwargs, low_effort=False
-                   ) -> Callable[[], compile_lib.Trial]:
-    """A probe lowered here and now (tracing is Python's: one at a time), whose compile,
-    the compiler's own work, may then run beside others'. Its seconds count both."""
+  def _lower(self, plan, args, kwargs) -> _Lowering:
     t0 = time.perf_counter()
-    devices, facts, jitted, targs, tkw, options, capacity = self._prepared(
-        plan, key, args, kwargs, True, low_effort)
+    devices, facts = self.devices(), {}
+    jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
     try:
       with user_shardings.context_on(devices):
         lowered, failed = jitted.lower(*targs, **tkw), None
     except Exception as e:  # pylint: disable=broad-except  (raised again inside the trial)
       lowered, failed = None, e
-    lowering = time.perf_counter() - t0
+    return _Lowering(lowered, failed, facts, targs, time.perf_counter() - t0)
+
+  def stage(self, plan, key, args, kwargs) -> None:
+    """Lowers a probe of `plan` now (in a thread beside another compile), to be compiled
+    when asked for; a probe asked for while this runs waits for it."""
+    at = (_program(plan), key)
+    if at in self._staged:
+      return
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    self._staged[at] = future
+    try:
+      future.set_result(self._lower(plan, args, kwargs))
+    except BaseException as e:  # pylint: disable=broad-except  (read by the probe)
+      future.set_exception(e)
+
+  def unstage(self) -> None:
+    """Lets the lowerings not probed go (a fit is over)."""
+    self._staged.clear()
+
+  def staged_probe(self, plan, key, args, kwargs, low_effort=False
+                   ) -> Callable[[], compile_lib.Trial]:
+    """A probe lowered here and now (tracing is Python's: one at a time), or earlier by
+    `stage`, whose compile, the compiler's own work, may then run beside others'. Its
+    seconds count both."""
+    options, capacity = self._options(plan, True, low_effort)
+    staged = self._staged.pop((_program(plan), key), None)
+    low = staged.result() if staged is not None else self._lower(plan, args, kwargs)
     def compile_fn():
-      if failed is not None:
-        raise failed
-      return lowered.compile(options)
+      if low.failed is not None:
+        raise low.failed
+      return low.lowered.compile(options)
     def run():
-      trial = self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
-      return dataclasses.replace(trial, seconds=trial.seconds + lowering)
+      trial = self._trial(plan, compile_fn, lambda: low.facts.get(key), capacity, low.targs)
+      return dataclasses.replace(trial, seconds=trial.seconds + low.seconds)
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lowering:
+  """A plan's program lowered for a target, ready to compile with any options."""
+  lowered: Any
+  failed: BaseException | None  # what lowering raised, raised again by the compile
+  facts: dict  # signature -> TraceFacts, filled by the trace
+  targs: Any  # the abstract arguments it was lowered with
+  seconds: float
+
+
+def _program(plan: plan_lib.Plan) -> plan_lib.Plan:
+  """Plans that differ only in the names of their rungs lower to the same program."""
+  return dataclasses.replace(plan, rungs=())
 
 
 def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):

@@ -31,6 +31,7 @@ from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import prepare as prepare_lib
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import trace as trace_lib
@@ -56,6 +57,23 @@ def _probe_pool() -> concurrent.futures.ThreadPoolExecutor | None:
   workers = min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
   return concurrent.futures.ThreadPoolExecutor(
       workers, thread_name_prefix="hbm_guard-probe") if workers > 1 else None
+
+
+def above_class(planner: planner_lib.Planner | None,
+                last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None,
+                options: options_lib.GuardOptions) -> AboveClass | None:
+  """When nothing allowed fits: would a plan of a higher class? Priced by the probes of
+  the planner that priced the climb, from its last failed plan."""
+  if planner is None or last is None:
+    return None
+  plan, facts = last
+  classes = ladder_lib.CLASSES
+  for klass in classes[classes.index(options.max_class) + 1:]:
+    fams, counts, _ = planner_lib.families(options.ladder, plan, facts, klass)
+    choice = planner.choose(fams, counts, facts.offload_bytes)
+    if choice is not None:
+      return AboveClass(klass, choice.plan.describe(), choice.predicted_bytes)
+  return None
 
 
 class Ledger:
@@ -162,6 +180,7 @@ class Fit:
     """Climbs from `start` (or from a plan that failed at run time) to a plan that fits;
     the result, or the error that says why nothing did."""
     cache_key = parts = None
+    given = start
     if failed_run is None and self.cache is not None and self.options.auto_fallback:
       parts = cache_parts(self.step, self.backend, self.options, self.args, self.kwargs)
       cache_key = plan_cache_lib.digest(parts)
@@ -169,12 +188,21 @@ class Fit:
     if not self.step.replaced and (start.shard_state or start.offload_optimizer):
       self.step.learn_state(self.args, self.kwargs)  # a planned layout needs the state first
 
+    o = self.options
+    prepare = (failed_run is None and start is given and o.auto_fallback
+               and o.search == options_lib.Search.PROBES and hasattr(self.backend, "stage"))
+
+    preparations = []
+
     def try_plan(p):
       if failed_run is not None and p == failed_run.plan:
         return failed_run
-      return self._compile(p)
+      if not prepare or self.budget.count(budget_lib.Spend.COMPILE):
+        return self._compile(p)
+      preparations.append(prepare_lib.Preparation(self.backend, self.step, o, self.key,
+                                                  self.args, self.kwargs, p))
+      return self._compile(p, preparations[-1])
 
-    o = self.options
     try:
       result = climb_lib.climb(
           try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
@@ -188,6 +216,9 @@ class Fit:
       self._out_of_time = e
     finally:
       self.step.saw_traced(None, None, None, None)  # the fit is over: nothing left to price
+      for preparation in preparations:
+        preparation.close()
+      getattr(self.backend, "unstage", lambda: None)()
       if self._pool is not None:  # a probe still running is not waited for
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None
@@ -229,9 +260,11 @@ class Fit:
 
   # -- spending ----------------------------------------------------------------------------
 
-  def _compile(self, plan: plan_lib.Plan) -> compile_lib.Trial:
+  def _compile(self, plan: plan_lib.Plan, meanwhile: backend_lib.Meanwhile | None = None
+               ) -> compile_lib.Trial:
     self.budget.check(budget_lib.Spend.COMPILE)
-    trial = self.backend.compile(plan, self.key, self.args, self.kwargs)
+    more = {"meanwhile": meanwhile} if meanwhile is not None else {}
+    trial = self.backend.compile(plan, self.key, self.args, self.kwargs, **more)
     self.budget.record(budget_lib.Spend.COMPILE, trial.seconds)
     rec = trial.record
     self.progress.compiled(
@@ -301,19 +334,6 @@ class Fit:
           None, f"stopped: the time budget cannot pay for the next {e.kind}",
           scale=self._planner.scale)
 
-  def _above_class(self) -> AboveClass | None:
-    """When nothing allowed fits: would a plan of a higher class? Priced by probes."""
-    if self._planner is None or self._last is None:
-      return None
-    plan, facts = self._last
-    classes = ladder_lib.CLASSES
-    for klass in classes[classes.index(self.options.max_class) + 1:]:
-      fams, counts, _ = planner_lib.families(self.options.ladder, plan, facts, klass)
-      choice = self._planner.choose(fams, counts, facts.offload_bytes)
-      if choice is not None:
-        return AboveClass(klass, choice.plan.describe(), choice.predicted_bytes)
-    return None
-
   def _fail(self, result: climb_lib.Result):
     trial, attempts = result.last, result.attempts
     diag, rec, name = attempts[-1].diagnosis, trial.record, self.step.name
@@ -328,7 +348,7 @@ class Fit:
           scenario=diag.scenario, summary=diag.summary,
           report_path=self.ledger.path if written else None, attempts=attempts)
     try:
-      above = self._above_class()
+      above = above_class(self._planner, self._last, self.options)
     except budget_lib.OutOfTime:
       above = None  # no time left to price a higher class
     written = self.ledger.write(Status.EXHAUSTED, above=above)

@@ -133,19 +133,13 @@ class Planner:
       self._pending.update(zip(todo, self._start(todo)))
 
   def _prefetch_family(self, family: plan_lib.Plan, counts: Sequence[int]) -> None:
-    """The first two figures a family's search reads, started together: where probes are
-    dear, the two its count is modelled from; else the top and the bisection's first."""
-    if len(counts) < 2:
+    """The first figures a family's search reads, started together (and before the
+    pricing): its top count, and where probes are dear the other count its model needs,
+    else the bisection's first midpoint."""
+    if not counts or _key(dataclasses.replace(family, microbatches=counts[-1])) in self.failed:
       return
-    at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
-    if _key(at(counts[-1])) in self.failed:
-      return
-    plans = [at(counts[-1])]
-    if not self.probes_are_dear:
-      plans.append(at(counts[(len(counts) - 1) // 2]))
-    elif not self._anchors(family, counts[-1]):
-      plans.append(at(_anchor_count(counts)))
-    self.prefetch(plans)
+    self.prefetch(first_probes(family, counts, self.probes_are_dear,
+                               bool(self._anchors(family, counts[-1]))))
 
   def observe(self, plan: plan_lib.Plan, real_bytes: int | None, fits: bool,
               seconds: float | None = None):
@@ -314,6 +308,35 @@ def _modelled_count(planner: Planner, family: plan_lib.Plan, counts: Sequence[in
       planner._predicted[plan] = predicted
       return k
   return None
+
+
+def first_probes(family: plan_lib.Plan, counts: Sequence[int], dear: bool, anchored: bool
+                 ) -> list[plan_lib.Plan]:
+  """A family's first two probes: its most microbatches, and where probes are dear the
+  count its model is anchored at (unless a failed compile anchors it), else the
+  bisection's first midpoint."""
+  at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
+  if len(counts) < 2:
+    return [at(k) for k in counts]
+  if not dear:
+    return [at(counts[-1]), at(counts[(len(counts) - 1) // 2])]
+  return [at(counts[-1])] + ([] if anchored else [at(_anchor_count(counts))])
+
+
+def opening(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
+            facts: ladder_lib.StepFacts, max_class: str, dear: bool
+            ) -> tuple[list[plan_lib.Plan], list[plan_lib.Plan]]:
+  """What a planner does first if `plan` (a fit's first) fails: the probes it starts, of
+  the likely cheapest family, and the other families it prices. Made while that compile
+  runs, they are ready if it fails."""
+  fams, counts, _ = families(rungs, plan, facts, max_class)
+  if not fams:
+    return [], []
+  family = min(fams, key=_likely_cost)
+  anchored = (_key(dataclasses.replace(plan, microbatches=1)) == _key(family)
+              and plan.microbatches < counts[-1])
+  others = sorted((f for f in fams if f != family), key=_likely_cost)
+  return first_probes(family, counts, dear, anchored), others
 
 
 def _likely_cost(family: plan_lib.Plan) -> tuple[bool, bool, bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any, Callable, Hashable
 
 import jax
@@ -68,6 +69,7 @@ class StepBuilder:
     self._jits: dict[Hashable, PlanJit] = {}
     self._flops_of: dict[Hashable, float | None] = {}  # (plan run locally, signature) -> flops
     self._last_traced: tuple[Hashable, Any] | None = None  # (that key, the latest jaxpr)
+    self._flops_lock = threading.Lock()
 
   def static(self, nargs: int) -> tuple[int, ...]:
     return tuple(i % nargs for i in self.options.static_argnums) if nargs else ()
@@ -203,6 +205,10 @@ class StepBuilder:
 
   def _flops(self, plan: plan_lib.Plan, args, kwargs) -> float | None:
     key = (_run_locally(plan), self.key(args, kwargs))
+    with self._flops_lock:  # priced ahead in another thread (prepare.py): wait, not twice
+      return self._flops_locked(key, args, kwargs)
+
+  def _flops_locked(self, key, args, kwargs) -> float | None:
     if key not in self._flops_of:  # plans that differ only in layout run the same program
       pending, jaxpr = self._last_traced, None
       if pending is not None and pending[0] == key:

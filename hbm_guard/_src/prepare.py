@@ -1,0 +1,79 @@
+"""What a failure of a fit's first compile would need first, made while that compile runs.
+
+libtpu compiles outside Python, on about one core, so Python is free while a compile runs.
+Once the compile has run long enough that a failure would make probes dear
+(planner.DEAR_COMPILE_SECONDS), a thread lowers the probes that failure starts with, then
+prices the other families (a trace each). At 368M parameters on v5e:1x1 that is ~30 s of
+a core beside a failing compile of ~30 s: the fit spent 25-27 s between its two compiles,
+against 49 s without. The thread starts no new job once the compile is done: what it made
+is read by the planner (a probe being lowered is waited for, not lowered twice), and goes
+with the fit. Nothing waits for it if the compile fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+from absl import logging
+
+from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import options as options_lib
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import steps as steps_lib
+
+AFTER_SECONDS = planner_lib.DEAR_COMPILE_SECONDS  # a compile this long: its probes are dear
+
+
+class Preparation:
+  """The work ahead of a failure of `plan`'s compile: `start` it as the compile begins,
+  `stop` it as the compile ends, `close` it with the fit."""
+
+  def __init__(self, backend, step: steps_lib.StepBuilder, options: options_lib.GuardOptions,
+               key, args, kwargs, plan: plan_lib.Plan):
+    self.backend, self.step, self.options, self.plan = backend, step, options, plan
+    self.key, self.args, self.kwargs = key, args, kwargs
+    self._stopped, self._closed = threading.Event(), threading.Event()
+    self.done: list[str] = []  # what it made, described (for tests and the log)
+
+  def start(self, facts: compile_lib.TraceFacts | None, started: float) -> None:
+    if facts is not None:
+      threading.Thread(target=self._run, args=(facts, started), daemon=True,
+                       name="hbm_guard-prepare").start()
+
+  def stop(self) -> None:
+    self._stopped.set()
+
+  def close(self) -> None:
+    self._stopped.set()
+    self._closed.set()
+
+  def _run(self, facts: compile_lib.TraceFacts, started: float) -> None:
+    wait = AFTER_SECONDS - (time.perf_counter() - started)
+    if self._stopped.wait(min(max(0.0, wait), threading.TIMEOUT_MAX)):
+      return
+    try:
+      for what, job in self._jobs(facts, started):
+        if self._stopped.is_set():
+          break
+        job()
+        self.done.append(what)
+    except Exception as e:  # pylint: disable=broad-except  (preparation, never the compile)
+      logging.warning("hbm_guard: preparing the fallback failed: %r", e)
+    if self._closed.is_set():
+      self.backend.unstage()  # the fit ended while the last job ran: nothing will read it
+
+  def _jobs(self, facts: compile_lib.TraceFacts, started: float):
+    trial = compile_lib.Trial(self.plan, compile_lib.Outcome.OOM, 0.0, facts)  # facts only
+    step_facts = self.backend.step_facts(self.args, self.kwargs, trial)
+    dear = time.perf_counter() - started >= planner_lib.DEAR_COMPILE_SECONDS
+    o, args, kwargs = self.options, self.args, self.kwargs
+    probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear)
+    n = len(self.backend.devices())
+    for p in probes:
+      yield "lowered " + p.describe(), functools.partial(self.backend.stage, p, self.key,
+                                                          args, kwargs)
+    for f in others:
+      yield "priced " + f.describe(), functools.partial(self.step.flops, f, args, kwargs, n)
