@@ -4,7 +4,7 @@ libtpu compiles outside Python, on about one core, so Python is free while a com
 Once the compile has run long enough that a failure would make probes dear
 (planner.DEAR_COMPILE_SECONDS), a thread lowers the probes that failure starts with, then
 prices the other families (a trace each). At 368M parameters on v5e:1x1 that is ~30 s of
-a core beside a failing compile of ~30 s: the fit spent 25-27 s between its two compiles,
+a core beside a failing compile of ~30 s: the fit spent 25-28 s between its two compiles,
 against 49 s without. The thread starts no new job once the compile is done: what it made
 is read by the planner (a probe being lowered is waited for, not lowered twice), and goes
 with the fit. Nothing waits for it if the compile fits.
