@@ -120,7 +120,8 @@ class _FakeBackend:
   def runnable(self, plan):
     return plan
 
-  def compile(self, plan, key, args, kwargs, *, probe=False, low_effort=False):
+  def compile(self, plan, key, args, kwargs, *, probe=False, low_effort=False,
+              meanwhile=None):
     self.compiled.append((plan, probe))
     return _fake_compile(self._capacity, [])(plan)
 

@@ -265,7 +265,7 @@ class TargetBackend(_Base):
   def stage(self, plan, key, args, kwargs) -> None:
     """Lowers a probe of `plan` now (in a thread beside another compile), to be compiled
     when asked for; a probe asked for while this runs waits for it."""
-    at = (_program(plan), key)
+    at = (planner_lib.program(plan), key)
     if at in self._staged:
       return
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -286,7 +286,7 @@ class TargetBackend(_Base):
     `stage`, whose compile, the compiler's own work, may then run beside others'. Its
     seconds count both."""
     options, capacity = self._options(plan, True, low_effort)
-    staged = self._staged.pop((_program(plan), key), None)
+    staged = self._staged.pop((planner_lib.program(plan), key), None)
     low = staged.result() if staged is not None else self._lower(plan, args, kwargs)
     def compile_fn():
       if low.failed is not None:
@@ -306,11 +306,6 @@ class _Lowering:
   facts: dict  # signature -> TraceFacts, filled by the trace
   targs: Any  # the abstract arguments it was lowered with
   seconds: float
-
-
-def _program(plan: plan_lib.Plan) -> plan_lib.Plan:
-  """Plans that differ only in the names of their rungs lower to the same program."""
-  return dataclasses.replace(plan, rungs=())
 
 
 def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):

@@ -263,8 +263,7 @@ class Fit:
   def _compile(self, plan: plan_lib.Plan, meanwhile: backend_lib.Meanwhile | None = None
                ) -> compile_lib.Trial:
     self.budget.check(budget_lib.Spend.COMPILE)
-    more = {"meanwhile": meanwhile} if meanwhile is not None else {}
-    trial = self.backend.compile(plan, self.key, self.args, self.kwargs, **more)
+    trial = self.backend.compile(plan, self.key, self.args, self.kwargs, meanwhile=meanwhile)
     self.budget.record(budget_lib.Spend.COMPILE, trial.seconds)
     rec = trial.record
     self.progress.compiled(

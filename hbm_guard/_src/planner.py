@@ -110,7 +110,7 @@ class Planner:
   # -- figures --------------------------------------------------------------------------
 
   def need(self, plan: plan_lib.Plan) -> int | None:
-    plan = _key(plan)
+    plan = program(plan)
     if plan not in self._need:
       pending = self._pending.pop(plan, None)
       if pending is not None:
@@ -127,7 +127,7 @@ class Planner:
   def prefetch(self, plans: Sequence[plan_lib.Plan]) -> None:
     """Starts probes of the plans not yet measured, to be read later: beside each other
     and beside the pricing, where the fit runs probes side by side."""
-    todo = [p for p in dict.fromkeys(_key(p) for p in plans)
+    todo = [p for p in dict.fromkeys(program(p) for p in plans)
             if p not in self._need and p not in self._pending]
     if todo and self._start is not None:
       self._pending.update(zip(todo, self._start(todo)))
@@ -136,7 +136,7 @@ class Planner:
     """The first figures a family's search reads, started together (and before the
     pricing): its top count, and where probes are dear the other count its model needs,
     else the bisection's first midpoint."""
-    if not counts or _key(dataclasses.replace(family, microbatches=counts[-1])) in self.failed:
+    if not counts or program(dataclasses.replace(family, microbatches=counts[-1])) in self.failed:
       return
     self.prefetch(first_probes(family, counts, self.probes_are_dear,
                                bool(self._anchors(family, counts[-1]))))
@@ -149,10 +149,10 @@ class Planner:
       if seconds >= DEAR_COMPILE_SECONDS and not self._ratios:
         self.scale = min(self.scale, LARGE_PROGRAM_PROBE_SCALE)
     if not fits:
-      self.failed.add(_key(plan))
+      self.failed.add(program(plan))
       if real_bytes:
-        self._real[_key(plan)] = real_bytes
-    probe = self._need.get(_key(plan))
+        self._real[program(plan)] = real_bytes
+    probe = self._need.get(program(plan))
     if plan.shard_batch and not fits:
       # Gathering each layer's parameters whole is what libtpu's early check sees least
       # of (a probe read 1.15 MiB where the compile needed 3.07): its ratio would condemn
@@ -166,10 +166,10 @@ class Planner:
 
   def known(self, plan: plan_lib.Plan, need: int | None):
     """A figure already measured (the failed attempt's own), so it is not probed again."""
-    self._need.setdefault(_key(plan), need)
+    self._need.setdefault(program(plan), need)
 
   def cost(self, plan: plan_lib.Plan, offload_bytes: int) -> float:
-    family = _key(dataclasses.replace(plan, microbatches=1))
+    family = program(dataclasses.replace(plan, microbatches=1))
     if family not in self._cost:
       self._cost[family] = self._flops(family)
     base = self._cost[family] or 1.0
@@ -203,7 +203,7 @@ class Planner:
 
   def figure(self, plan: plan_lib.Plan) -> int | None:
     """A plan's need in probe units: measured if it was, else modelled, else probed."""
-    plan = _key(plan)
+    plan = program(plan)
     if plan in self._need:
       return self._need[plan]
     if plan in self._predicted:
@@ -215,7 +215,7 @@ class Planner:
   def _anchors(self, family: plan_lib.Plan, k1: int) -> list[tuple[int, int]]:
     """This family's failed compiles below `k1` microbatches: (count, real figure)."""
     return sorted((p.microbatches, n) for p, n in self._real.items()
-                  if _key(dataclasses.replace(p, microbatches=1)) == _key(family)
+                  if program(dataclasses.replace(p, microbatches=1)) == program(family)
                   and p.microbatches < k1)
 
   def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
@@ -225,7 +225,7 @@ class Planner:
       return None
     at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
     lo, hi = 0, len(counts) - 1
-    if _key(at(counts[hi])) in self.failed:
+    if program(at(counts[hi])) in self.failed:
       return None
     self._prefetch_family(family, counts)
     if not self.fits(self.need(at(counts[hi]))):
@@ -235,7 +235,7 @@ class Planner:
     while lo < hi:
       mid = (lo + hi) // 2
       plan = at(counts[mid])
-      if _key(plan) not in self.failed and self.fits(self.need(plan)):
+      if program(plan) not in self.failed and self.fits(self.need(plan)):
         hi = mid
       else:
         lo = mid + 1
@@ -292,7 +292,7 @@ def _modelled_count(planner: Planner, family: plan_lib.Plan, counts: Sequence[in
     if n0 * scale <= planner.headroom * planner._capacity:
       # the anchor itself fits: the one count below it (unsplit: another program, so
       # probed, not extrapolated) may too
-      below = [k for k in counts if k < k0 and _key(at(k)) not in planner.failed]
+      below = [k for k in counts if k < k0 and program(at(k)) not in planner.failed]
       n_below = planner.need(at(below[-1])) if below else None
       if n_below is not None and n_below * scale <= planner.headroom * planner._capacity:
         return below[-1]
@@ -302,7 +302,7 @@ def _modelled_count(planner: Planner, family: plan_lib.Plan, counts: Sequence[in
   per = max(0.0, (n0 - n1 * scale) / (1 / k0 - 1 / k1))
   fixed = n1 * scale - per / k1
   for k in counts:
-    plan = _key(at(k))
+    plan = program(at(k))
     predicted = int((fixed + per / k) / scale)  # in probe units, as the planner keeps them
     if plan not in planner.failed and k > k0 and predicted * scale <= planner.headroom * planner._capacity:
       planner._predicted[plan] = predicted
@@ -333,7 +333,7 @@ def opening(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
   if not fams:
     return [], []
   family = min(fams, key=_likely_cost)
-  anchored = (_key(dataclasses.replace(plan, microbatches=1)) == _key(family)
+  anchored = (program(dataclasses.replace(plan, microbatches=1)) == program(family)
               and plan.microbatches < counts[-1])
   others = sorted((f for f in fams if f != family), key=_likely_cost)
   return first_probes(family, counts, dear, anchored), others
@@ -350,8 +350,9 @@ def _anchor_count(counts: Sequence[int]) -> int:
   return counts[1] if len(counts) > 2 and counts[0] == 1 else counts[0]
 
 
-def _key(plan: plan_lib.Plan) -> plan_lib.Plan:
-  """Plans compare by what they do, not by the order their rungs were named in."""
+def program(plan: plan_lib.Plan) -> plan_lib.Plan:
+  """Plans compare by what they do, not by the order their rungs were named in: the
+  program a plan lowers to (a backend's staged lowerings are keyed by it too)."""
   return dataclasses.replace(plan, rungs=())
 
 
@@ -472,7 +473,7 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
     if choice is not None:
       choice = dataclasses.replace(choice, why="fits by the probe's own figure (unscaled); "
                                    + choice.why)
-  if choice is not None and _key(choice.plan) != _key(plan):
+  if choice is not None and program(choice.plan) != program(plan):
     nxt = with_rungs(choice.plan, plan)
     chosen, why, predicted = choice.plan.describe(), choice.why, choice.predicted_bytes
   else:
