@@ -231,6 +231,57 @@ def batchnorm_step(state, batch):
   return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), loss
 
 
+class _BatchNormNet(nn.Module):
+  """Flax's BatchNorm over as many features as the batch has examples (64): its running
+  means, in the state, are the batch's size without being the batch."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.BatchNorm(use_running_average=not train)(nn.Dense(64)(x))
+    return nn.Dense(8)(nn.Dropout(0.1, deterministic=not train)(nn.relu(x)))
+
+
+class _BatchStatsState(train_state.TrainState):
+  batch_stats: dict
+  key: jax.Array  # a typed key (jax.random.key) in the state, as flax's examples keep one
+
+
+def flax_batchnorm_step(state, batch, dropout_key):
+  """Flax's ImageNet step, in small: mutable batch_stats, dropout from typed keys."""
+  key = jax.random.fold_in(state.key, state.step)
+  def loss_fn(params):
+    out, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                  batch["x"], mutable=["batch_stats"],
+                                  rngs={"dropout": jax.random.fold_in(dropout_key, 1)})
+    return ((out - batch["y"]) ** 2).mean(), updates
+  (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  state = state.apply_gradients(grads=grads)
+  return state.replace(batch_stats=updates["batch_stats"], key=key), loss
+
+
+def test_flax_batchnorm_with_typed_keys_is_diagnosed_not_crashed(tmp_path):
+  """A typed key (argument and state leaf) is described, not fed to numpy's dtype; and
+  BatchNorm is named as the reason the batch is not split, though its running means (in
+  the state) have the batch's size."""
+  model = _BatchNormNet()
+  x = jnp.ones((64, 32))
+  variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+  state = _BatchStatsState.create(apply_fn=model.apply, params=variables["params"],
+                                  batch_stats=variables["batch_stats"],
+                                  tx=optax.adam(1e-3), key=jax.random.key(2))
+  batch = {"x": x, "y": jnp.zeros((64, 8))}
+  args = (state, batch, jax.random.key(3))
+  capacity = _donated_peak(flax_batchnorm_step, *args) // 3
+  guarded = hbm_guard.guarded_jit(flax_batchnorm_step, state_argnums=0, capacity=capacity,
+                                  max_class="numerics", plan_cache=False,
+                                  report_dir=str(tmp_path))
+  with pytest.raises(hbm_guard.LadderExhaustedError):
+    guarded(*args)
+  skips = [s for a in guarded.attempts for s in a.skipped if s.rung == "microbatch"]
+  assert skips and "batch statistic" in skips[0].reason, skips
+  assert any("key<fry>" in line for a in guarded.attempts for line in a.layout)
+
+
 def contrastive_step(state, batch):
   def loss_fn(params):
     q = batch["a"] @ params["w"]

@@ -24,6 +24,7 @@ from hbm_guard._src import batch_axis
 from hbm_guard._src import closure
 from hbm_guard._src import jaxpr_flat as flat
 from hbm_guard._src import layers
+from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
 
 _MAX_SUM_GRADS = 8  # separate batch sums of the parameters whose gradients are accumulated
@@ -81,7 +82,7 @@ def _is_key(x) -> bool:
 
 
 def describe_leaf(x) -> str:
-  return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+  return f"{layout_lib.dtype_of(x).name}{list(x.shape)}"
 
 
 @dataclasses.dataclass
@@ -96,6 +97,7 @@ class _Traced:
   out_tree: list  # [treedef] of the loss's output, filled by tracing
   closed: Any = None
   prog: flat.Program | None = None
+  state_ids: frozenset[int] = frozenset()  # the step's state leaves: never the batch
 
   @property
   def n_diff(self) -> int:
@@ -134,7 +136,7 @@ def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
   explicit = {id(x) for x in leaves}
   captured = [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer)
                                       and ctx.is_batch(x)) if id(x) not in explicit]
-  t = _Traced(fun, diff, leaves, treedef, kinds, captured, [])
+  t = _Traced(fun, diff, leaves, treedef, kinds, captured, [], state_ids=ctx.state_ids)
   t.closed = jax.make_jaxpr(t.g)(*t.inputs())
   t.prog = flat.flatten(t.closed)
   return t
@@ -168,7 +170,8 @@ def analyse(t: _Traced, batch: int) -> Split:
   if not batch_slots:
     raise batch_axis.NotSplittable("no batch input reaches the loss")
   for c in t.closed.consts:
-    if isinstance(c, jax.core.Tracer) and getattr(c, "ndim", 0) >= 1 and c.shape[0] == batch:
+    if (isinstance(c, jax.core.Tracer) and getattr(c, "ndim", 0) >= 1 and c.shape[0] == batch
+        and id(c) not in t.state_ids):  # a state leaf the batch's size (BatchNorm's 128 means)
       raise batch_axis.NotSplittable(
           f"a batch-sized value {describe_leaf(c)} reaches the loss other than through its "
           f"arguments or closure (pass it as an argument)")

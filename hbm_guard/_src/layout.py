@@ -24,8 +24,14 @@ def default_offload_filter(path: str) -> bool:
   return "opt_state" in path
 
 
+def dtype_of(x) -> Any:
+  """x's dtype: numpy's, or jax's own where numpy has none (typed PRNG keys, `key<fry>`)."""
+  dtype = getattr(x, "dtype", np.float32)
+  return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
+
+
 def nbytes(tree) -> int:
-  return sum(int(np.prod(np.shape(x))) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
+  return sum(int(np.prod(np.shape(x))) * dtype_of(x).itemsize
              for x in jax.tree_util.tree_leaves(tree))
 
 
@@ -186,7 +192,7 @@ def describe(args, state_argnums: Iterable[int], top: int = 2) -> tuple[str, ...
                else f"sharded {spec}")
       host = " (host)" if getattr(s, "memory_kind", None) == "pinned_host" else ""
       out.append(f"{'state' if i in state else 'argument'} {i}{jax.tree_util.keystr(path)} "
-                 f"{np.dtype(x.dtype).name}{list(np.shape(x))}: {where}{host}")
+                 f"{dtype_of(x).name}{list(np.shape(x))}: {where}{host}")
   return tuple(out)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Hashable, Iterable
 
 import jax
-import numpy as np
+from hbm_guard._src import layout as layout_lib
 
 
 def _leaf_key(x) -> Hashable:
@@ -63,7 +63,7 @@ def describe_args(args: tuple, kwargs: dict, state_argnums: Iterable[int] = ()) 
       if len(leaves) > 4:
         parts.append(f"... ({len(leaves)} arrays)")
   if state_leaves:
-    nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in state_leaves)
+    nbytes = layout_lib.nbytes(state_leaves)
     parts.append(f"state: {len(state_leaves)} arrays, {nbytes / 2**20:.1f} MiB")
   return ", ".join(parts)
 
