@@ -356,6 +356,23 @@ def test_guarded_jit_decorates_methods():
   m = Model(3.0)
   np.testing.assert_allclose(m.apply(jnp.ones(3)), 3.0 * np.ones(3))
   assert Model.apply.__name__ == "apply" and m.apply.lower(jnp.ones(3)).compile()
+  assert m.apply.eval_shape(jnp.ones(3)).shape == (3,)  # bound: the instance goes first
+  assert m.apply.trace(jnp.ones(3)).lower()
+  assert m.apply.fit(jnp.ones(3)) == hbm_guard.Plan()
+
+
+@pytest.mark.real_compiler
+def test_a_method_whose_self_is_not_static_gets_jaxs_own_error():
+  """As under jax.jit: the instance is not an array, and jax's message says so (it was
+  numpy's 'dtype object' from inside the fit, for a target)."""
+  class Trainer:
+    @hbm_guard.guarded_jit(state_argnums=1, target="v5e:1x1", capacity="1MiB",
+                           plan_cache=False, progress=False)
+    def step(self, state, x):
+      return state + x.sum(), x
+
+  with pytest.raises(TypeError, match="static_argnums"):
+    Trainer().step.fit(jnp.ones(()), jnp.ones(4))
 
 
 def test_skip_reasons_are_typed():

@@ -40,8 +40,7 @@ try:  # Hide hbm_guard's frames from user tracebacks, as jax hides its own (equi
   traceback_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
   _api_boundary = traceback_util.api_boundary
 except (ImportError, AttributeError):  # a private API: without it, tracebacks are longer
-  def _api_boundary(fun):
-    return fun
+  _api_boundary = lambda fun: fun  # noqa: E731
 
 
 class GuardedFunction:
@@ -68,9 +67,8 @@ class GuardedFunction:
     # The first call's jit only detects the new signature. It is never reused to run the
     # step: a jit whose first trace raised loses jax's C++ fast path for good.
     allowed: set = set()
-    self._hot = steps_lib.PlanJit(plan_lib.Plan(), self._step.jit(plan_lib.Plan(), None, 0,
-                                                                  allowed, {}),
-                                  None, allowed, {})
+    hot_jit = self._step.jit(plan_lib.Plan(), None, 0, allowed, {})
+    self._hot = steps_lib.PlanJit(plan_lib.Plan(), hot_jit, None, allowed, {})
 
   @property
   def plan(self) -> plan_lib.Plan:
@@ -188,6 +186,7 @@ class GuardedFunction:
       return self
     return _Bound(self, instance)
 
+  @_api_boundary
   def fit(self, *args, **kwargs) -> plan_lib.Plan:
     """Finds (and installs) the plan that fits these arguments, without running the step.
     The plan is the one fitted: for a target, with its TPU options."""
@@ -199,13 +198,16 @@ class GuardedFunction:
   def _any_jit(self):
     return self._step.jit(self._backend.runnable(self._plan))
 
+  @_api_boundary
   def trace(self, *args, **kwargs):
     return self._any_jit().trace(*args, **kwargs)
 
+  @_api_boundary
   def lower(self, *args, **kwargs):
     """Lowers under the plan in force (like jax.jit(...).lower); call fit() first to climb."""
     return self._any_jit().lower(*args, **kwargs)
 
+  @_api_boundary
   def eval_shape(self, *args, **kwargs):
     return jax.eval_shape(self._any_jit(), *args, **kwargs)
 
@@ -217,17 +219,15 @@ class _Bound:
     self._guarded, self._instance = guarded, instance
     functools.update_wrapper(self, guarded._fun)  # pylint: disable=protected-access
 
+  @_api_boundary
   def __call__(self, *args, **kwargs):
     return self._guarded(self._instance, *args, **kwargs)
 
-  def fit(self, *args, **kwargs):
-    return self._guarded.fit(self._instance, *args, **kwargs)
-
-  def lower(self, *args, **kwargs):
-    return self._guarded.lower(self._instance, *args, **kwargs)
-
   def __getattr__(self, name):
-    return getattr(self._guarded, name)
+    attr = getattr(self._guarded, name)
+    if name in ("fit", "lower", "trace", "eval_shape"):  # each takes the step's arguments
+      return functools.partial(attr, self._instance)
+    return attr
 
 
 def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = None,

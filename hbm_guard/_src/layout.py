@@ -143,6 +143,8 @@ def abstract_args(args, kwargs, layout: Layout | None, static_argnums: Iterable[
 
   def abstract(x, sharding):
     scalar = not hasattr(x, "dtype")  # a Python scalar traces weakly typed, as under jit
+    if scalar and not isinstance(x, (bool, int, float, complex)):
+      return x  # not an array: jax's own error names it (and static_argnums), as under jit
     weak = scalar or bool(getattr(x, "weak_type", False))
     return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if scalar else x.dtype,
                                 sharding=sharding, weak_type=weak)
