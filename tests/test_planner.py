@@ -219,6 +219,41 @@ def test_a_later_family_searches_only_the_counts_that_would_cost_less():
   assert len(probed) == 6
 
 
+def test_probes_side_by_side_search_thirds_two_at_a_time():
+  # The README job's figures again, with probes in a pool: after the first pair (64, 8)
+  # the donated family's bisection reads 2 and 4 in one round, not one after the other.
+  figures = {None: {1: 682, 2: 336.5, 4: 155.04, 8: 67.34, 16: 64, 32: 62, 64: 61.15},
+             "dots": {1: 300, 2: 138.54, 4: 61.65, 8: 61.9, 16: 61, 32: 60.6, 64: 60.48}}
+  rounds = []
+  def start_probes(plans):
+    rounds.append([(p.remat_policy, p.microbatches) for p in plans])
+    return [lambda p=p: (int(figures[p.remat_policy][p.microbatches] * MiB), 1.0)
+            for p in plans]
+  flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
+  for side_by_side, want in ((True, 3), (False, 4)):
+    rounds.clear()
+    planner = planner_lib.Planner(lambda p: start_probes([p])[0]()[0], flops,
+                                  capacity=96 * MiB, scale=1.3,
+                                  start_probes=start_probes, side_by_side=side_by_side)
+    choice = planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+                            [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+    assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
+    assert len(rounds) == want and sum(map(len, rounds)) == 6, rounds
+  assert rounds[:2] == [[(None, 64), (None, 8)], [(None, 2)]]  # one at a time, without
+  # the same plan whatever the figures: every count of a family, fitting from any one on
+  for first_fit in range(1, 8):
+    counts = [1, 2, 4, 8, 16, 32, 64]
+    need = {k: (50 if i + 1 >= first_fit else 500) * MiB for i, k in enumerate(counts)}
+    got = []
+    for side_by_side in (True, False):
+      planner = planner_lib.Planner(
+          lambda p: need[p.microbatches], lambda p: 1e9, capacity=96 * MiB, scale=1.3,
+          side_by_side=side_by_side,
+          start_probes=lambda plans: [lambda p=p: (need[p.microbatches], 1.0) for p in plans])
+      got.append(planner.choose([hbm_guard.Plan()], counts, offload_bytes=0).plan.microbatches)
+    assert got[0] == got[1] == counts[first_fit - 1]
+
+
 def test_what_is_made_while_the_first_compile_runs_is_what_the_planner_starts_with():
   # prepare.fallback lowers these probes and prices these families while a fit's first
   # compile runs; a planner asking for others would waste that work.

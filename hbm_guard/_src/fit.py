@@ -54,9 +54,13 @@ class AboveClass:
 def _probe_pool() -> concurrent.futures.ThreadPoolExecutor | None:
   """Threads for probes' compiles (each is one core's work in libtpu), if the host has
   more than one core."""
-  workers = min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
+  workers = _probe_workers()
   return concurrent.futures.ThreadPoolExecutor(
       workers, thread_name_prefix="hbm_guard-probe") if workers > 1 else None
+
+
+def _probe_workers() -> int:
+  return min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
 
 
 def above_class(planner: planner_lib.Planner | None,
@@ -322,7 +326,8 @@ class Fit:
           lambda p: self.step.flops(p, self.args, self.kwargs, len(self.backend.devices())),
           capacity,
           scale=self.backend.probe_scale, exact=self.backend.exact_probes,
-          headroom=o.headroom, start_probes=self._start_probes)
+          headroom=o.headroom, start_probes=self._start_probes,
+          side_by_side=_probe_workers() > 1 and hasattr(self.backend, "staged_probe"))
     self._last = (plan, facts)
     self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
     try:

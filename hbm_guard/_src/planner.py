@@ -86,9 +86,11 @@ class Planner:
                scale: float = 1.0, *, exact: bool = False, headroom: float = HEADROOM,
                clock: Callable[[], float] = time.perf_counter,
                start_probes: Callable[[Sequence[plan_lib.Plan]],
-                                      list[Callable[[], tuple[int | None, float]]]] | None = None):
+                                      list[Callable[[], tuple[int | None, float]]]] | None = None,
+               side_by_side: bool = False):
     self._probe, self._flops, self._capacity = probe, flops, capacity
     self._start = start_probes  # probes started at once; each waited for when read
+    self.side_by_side = side_by_side and start_probes is not None  # they run in parallel
     self._pending: dict[plan_lib.Plan, Callable[[], tuple[int | None, float]]] = {}
     self._clock = clock
     self.compile_seconds: list[float] = []  # of the real compiles this planner observed
@@ -232,10 +234,15 @@ class Planner:
       return None
     if self.probes_are_dear and len(counts) > 1:
       return _modelled_count(self, family, counts)
+    ok = lambda i: program(at(counts[i])) not in self.failed and self.fits(self.need(at(counts[i])))  # noqa: E731
     while lo < hi:
       mid = (lo + hi) // 2
-      plan = at(counts[mid])
-      if program(plan) not in self.failed and self.fits(self.need(plan)):
+      if self.side_by_side and hi - lo >= 2 and not _started(self, at(counts[mid])):
+        # Two probes a round, side by side: the thirds of what is left, not its half.
+        a, b = lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3
+        self.prefetch([at(counts[a]), at(counts[b])])
+        lo, hi = (lo, a) if ok(a) else (a + 1, b) if ok(b) else (b + 1, hi)
+      elif ok(mid):
         hi = mid
       else:
         lo = mid + 1
@@ -269,6 +276,11 @@ class Planner:
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
+
+
+def _started(planner: Planner, plan: plan_lib.Plan) -> bool:
+  """Whether `plan` was probed or its probe is running."""
+  return program(plan) in planner._need or program(plan) in planner._pending  # pylint: disable=protected-access
 
 
 def _modelled_count(planner: Planner, family: plan_lib.Plan, counts: Sequence[int]
