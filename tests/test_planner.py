@@ -167,6 +167,37 @@ def test_where_probes_are_dear_the_xla_flags_are_judged_by_one_probe_of_all_of_t
   assert len([d for d in probed if "xla_" in d]) == 1  # ... after one probe, not three
 
 
+def test_flags_and_donation_that_cannot_close_the_gap_are_not_probed():
+  # The 368M LM written without hbm_guard, nothing plan-aware: at batch 64 its plain
+  # compile failed at 38.61 GiB of 15.75 (all flags, donated, read 31.15: no fit). Half of
+  # it, less the 4.1 GiB of state, is over the capacity: no probe, the flags passed over.
+  # At batch 16 (19.52 GiB) the flags fit (15.26 GiB): there they are probed, as before.
+  from hbm_guard._src import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  facts = dataclasses.replace(_flags_only_facts(), state_bytes=int(4.1 * 2**30))
+  for failed_gib, probed_flags in ((38.61, False), (19.52, True)):
+    probed = []
+    def probe(plan, probed=probed):
+      probed.append(plan.describe())
+      return int(40 * 2**30)
+    planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+                                  clock=_Clock(120.0))
+    real = int(failed_gib * 2**30)
+    planner.observe(hbm_guard.Plan(), real_bytes=real, fits=False, seconds=30.0)
+    rec = compile_lib.budget_record({"peak": real, "argument": 4 * 2**30, "output": 0,
+                                     "alias": 0, "temp": real - 4 * 2**30,
+                                     "generated_code": 0}, int(15.75 * 2**30), "fake")
+    nxt, skips, _ = planner_lib.next_plan(planner, ladder_lib.load_ladder(), hbm_guard.Plan(),
+                                          facts, rec, "numerics")
+    flags = [s for s in skips if s.rung.startswith("xla_")]
+    assert nxt is None and len(flags) == 3
+    if probed_flags:
+      assert any("xla_" in d for d in probed) and "probed" in flags[0].reason
+    else:
+      assert probed == [] and "estimated" in flags[0].reason and "17.25 GiB" in flags[0].reason
+      assert all(s.kind is ladder_lib.SkipKind.CANNOT_CLOSE_GAP for s in flags)
+
+
 def test_a_large_programs_prior_is_closer_to_one_until_measured():
   fast, slow = _planner({1: 90 * MiB}), _planner({1: 90 * MiB})
   fast.observe(hbm_guard.Plan(), real_bytes=300 * MiB, fits=False, seconds=2.0)

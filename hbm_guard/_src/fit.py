@@ -356,7 +356,9 @@ class Fit:
     except budget_lib.OutOfTime:
       above = None  # no time left to price a higher class
     written = self.ledger.write(Status.EXHAUSTED, above=above)
+    gap = {s.reason: None for s in attempts[-1].skipped
+           if s.kind is ladder_lib.SkipKind.CANNOT_CLOSE_GAP}
     raise errors.LadderExhaustedError.nothing_fits(
         name=name, capacity=rec.available_bytes, attempts=attempts, need=rec.required_bytes,
-        scenario=diag.scenario, summary=diag.summary, above=above,
+        scenario=diag.scenario, summary=diag.summary, above=above, passed_over=list(gap),
         report_path=self.ledger.path if written else None) from trial.error

@@ -40,6 +40,14 @@ LARGE_PROGRAM_PROBE_SCALE = 1.15
 DEAR_PROBE_RATIO = 0.5  # a probe costing this much of a compile, or more, is dear
 DEAR_PROBE_MIN_SECONDS = 10.0  # below this, probing is cheap whatever a compile costs
 DEAR_COMPILE_SECONDS = 10.0  # a failed compile this slow: its probes will be dear too
+# XLA's remat flags (all of them, donated) cut a failed compile's own figure to 0.67-1.0 of
+# it in every program measured: transformers and an MLP of 18-192 MiB of state at 56-531 MiB
+# (libtpu, v5e), and 0.74-0.78 for a 368M-parameter LM (19.52 -> 15.26 GiB at batch 16,
+# 42.36 -> 31.15 at 64). A plan that differs from a failed one only by flags and donation is
+# taken to need at least half of its figure (less the state, which donation may alias):
+# where that is over the capacity, it is not probed (at 368M a probe of the flags took
+# 87-168 s, a failing compile 20).
+FLAGS_FLOOR = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +116,7 @@ class Planner:
     self.optimistic_tried = False
     self._dear = False  # once probes were dear, they stay so for this fit (they compare)
     self.data_parallel_failed = False  # a data-parallel plan its probe said fits did not
+    self.state_bytes = 0  # what donation could alias away (the step's facts, set per choice)
 
   # -- figures --------------------------------------------------------------------------
 
@@ -227,7 +236,7 @@ class Planner:
       return None
     at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
     lo, hi = 0, len(counts) - 1
-    if program(at(counts[hi])) in self.failed:
+    if program(at(counts[hi])) in self.failed or cannot_close(self, at(counts[hi])):
       return None
     self._prefetch_family(family, counts)
     if not self.fits(self.need(at(counts[hi]))):
@@ -276,6 +285,22 @@ class Planner:
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
+
+
+def cannot_close(planner: Planner, plan: plan_lib.Plan) -> str | None:
+  """Why `plan` cannot fit, judged without a probe from a real compile of a plan it
+  differs from only by XLA's flags and donation (FLAGS_FLOOR); None if it may."""
+  bare = lambda p: dataclasses.replace(program(p), donate_argnums=(), compiler_options=())  # noqa: E731
+  # pylint: disable=protected-access  (the planner's own figures: kept here for its size)
+  figures = [n for p, n in planner._real.items() if bare(p) == bare(plan)]
+  if not figures or planner.exact:
+    return None
+  floor = FLAGS_FLOOR * (min(figures) - planner.state_bytes)
+  if floor <= planner._capacity:
+    return None
+  return (f"estimated: {plan.describe()} needs at least {floor / 2**30:.2f} GiB of "
+          f"{planner._capacity / 2**30:.2f} (XLA's flags and donation cut a failed compile's "
+          f"{min(figures) / 2**30:.2f} GiB by a third at most where measured; half is assumed)")
 
 
 def _started(planner: Planner, plan: plan_lib.Plan) -> bool:
@@ -434,6 +459,14 @@ def _probe_may_fit(planner: Planner, plan: plan_lib.Plan) -> bool:
   return need is None or need <= planner._capacity  # pylint: disable=protected-access
 
 
+def _why_not(planner: Planner, plan: plan_lib.Plan) -> str | None:
+  """Why a ladder plan (flags, a dtype) is passed over without a compile, or None."""
+  why = cannot_close(planner, plan)
+  if why is None and not _probe_may_fit(planner, plan):
+    why = f"probed: {plan.describe()} needs {planner.need(plan)} bytes"
+  return why
+
+
 def _flag_chain(rest, first: plan_lib.Plan, facts, rec, max_class) -> list[plan_lib.Plan]:
   """The ladder's XLA-flag plans from `first` on, each adding a rung: weakest first."""
   chain, plan = [], first
@@ -452,10 +485,11 @@ def _strongest_flags_first(planner: Planner, rest, first: plan_lib.Plan, facts, 
   if len(chain) < 2:
     return first, []
   strongest = chain[-1]
-  if _probe_may_fit(planner, strongest):
+  why = cannot_close(planner, strongest)
+  if why is None and _probe_may_fit(planner, strongest):
     return strongest, []
-  why = (f"probed with every XLA flag at once: {strongest.describe()} needs "
-         f"{planner.need(strongest)} bytes of {planner._capacity}")  # pylint: disable=protected-access
+  why = why or (f"probed with every XLA flag at once: {strongest.describe()} needs "
+                f"{planner.need(strongest)} bytes of {planner._capacity}")  # pylint: disable=protected-access
   skips = [ladder_lib.Skip(p.rungs[-1] if p.rungs else p.describe(), why,
                            ladder_lib.SkipKind.CANNOT_CLOSE_GAP) for p in chain]
   nxt, more = ladder_lib.next_plan(rest, strongest, facts, rec, max_class)
@@ -468,6 +502,7 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
   """The planner's choice after `plan` failed; the ladder's remaining rungs (XLA flags,
   dtype) from the plan that came closest when no planned plan is predicted to fit."""
   n_probes = len(planner.probes)
+  planner.state_bytes = facts.state_bytes
   if plan.shard_batch and planner.data_parallel_failed:
     plan = dataclasses.replace(plan, shard_batch=False)  # back to the features split
   fams, counts, skips = families(rungs, plan, facts, max_class,
@@ -490,7 +525,8 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
     chosen, why, predicted = choice.plan.describe(), choice.why, choice.predicted_bytes
   else:
     measured = [(p, n) for p, n in planner._need.items() if n is not None]  # pylint: disable=protected-access
-    closest = min(measured, key=lambda pn: pn[1])[0] if measured else plan
+    closest = (min(measured, key=lambda pn: pn[1])[0] if measured else  # else: free rungs on
+               dataclasses.replace(fams[0], microbatches=plan.microbatches) if fams else plan)
     closest = with_rungs(closest, plan)
     rest = [r for r in rungs if r.kind not in _PLANNED]
     nxt, more = ladder_lib.next_plan(rest, closest, facts, rec, max_class)
@@ -500,9 +536,8 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
       skips += more
     # XLA's flags and a dtype are priced by probes too: a plan the probe's own figure puts
     # over the capacity is passed over without a compile.
-    while nxt is not None and not _probe_may_fit(planner, nxt):
-      skips.append(ladder_lib.Skip(nxt.rungs[-1] if nxt.rungs else nxt.describe(),
-                                   f"probed: {nxt.describe()} needs {planner.need(nxt)} bytes",
+    while nxt is not None and (why_not := _why_not(planner, nxt)) is not None:
+      skips.append(ladder_lib.Skip(nxt.rungs[-1] if nxt.rungs else nxt.describe(), why_not,
                                    ladder_lib.SkipKind.CANNOT_CLOSE_GAP))
       nxt, more = ladder_lib.next_plan(rest, nxt, facts, rec, max_class)
       skips += more
