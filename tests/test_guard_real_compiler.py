@@ -7,6 +7,7 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src import record as R
+from hbm_guard._src import ladder as ladder_lib
 from examples.recover_e1000 import train
 
 pytestmark = pytest.mark.real_compiler
@@ -65,9 +66,13 @@ def test_exhausted_on_the_real_compiler_chains_its_error(tmp_path, v5e_devices):
   assert "RESOURCE_EXHAUSTED" in str(info.value.__cause__)
   attempts = info.value.attempts
   assert attempts and all(a.outcome == "oom" for a in attempts)
-  # Exhaustion without compiling what probes ruled out: the flag plans were probed.
+  # Exhaustion without compiling what could not fit: half of the failed compile's figure
+  # is over 1 MiB, so the flag plans were passed over without a probe, and the error says so.
   probed = [p.plan.describe() for a in attempts if a.planning for p in a.planning.probes]
-  assert any("xla_" in p for p in probed), probed
+  assert not any("xla_" in p for p in probed), probed
+  gap = [s for s in attempts[-1].skipped if s.kind is ladder_lib.SkipKind.CANNOT_CLOSE_GAP]
+  assert {s.rung for s in gap} == {"xla_remat_peak_priority", "xla_remat_aggressive"}
+  assert "Passed over, estimated" in str(info.value)
   # Newer libtpu prefixes "E1000: CompileTimeHbmOom:"; older releases omit the code.
   assert all(a.record.error_code == ("E1000" if "E1000:" in a.record.raw else None)
              and a.record.is_compile_time for a in attempts)

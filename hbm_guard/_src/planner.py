@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
+from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import plan as plan_lib
 
@@ -298,9 +299,10 @@ def cannot_close(planner: Planner, plan: plan_lib.Plan) -> str | None:
   floor = FLAGS_FLOOR * (min(figures) - planner.state_bytes)
   if floor <= planner._capacity:
     return None
-  return (f"estimated: {plan.describe()} needs at least {floor / 2**30:.2f} GiB of "
-          f"{planner._capacity / 2**30:.2f} (XLA's flags and donation cut a failed compile's "
-          f"{min(figures) / 2**30:.2f} GiB by a third at most where measured; half is assumed)")
+  fmt = diagnose_lib.format_bytes
+  return (f"estimated: {plan.describe()} needs at least {fmt(int(floor))} of "
+          f"{fmt(planner._capacity)} (XLA's flags and donation cut a failed compile's "
+          f"{fmt(min(figures))} by a third at most where measured; half is assumed)")
 
 
 def _started(planner: Planner, plan: plan_lib.Plan) -> bool:
