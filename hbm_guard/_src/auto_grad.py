@@ -248,11 +248,13 @@ def _acc_dtype(dtype):
 
 
 def _key_slots(prog: flat.Program, consts) -> list[int]:
-  """Positions of the constants that are random keys (folded per microbatch)."""
-  fed = {v for e in prog.eqns if e.primitive.name.startswith(("random_", "threefry"))
-         for v in e.invars}
+  """Positions of the constants that are random keys (folded per microbatch): typed keys,
+  and raw uint32 key data (`jax.random.PRNGKey`) where a random op takes it as its key. A
+  counter fed to `fold_in` as its data (nnx's `RngCount`) is not a key."""
+  fed = {e.invars[0] for e in prog.eqns if e.invars
+         and e.primitive.name.startswith(("random_", "threefry"))}
   return [i for i, (v, c) in enumerate(zip(prog.constvars, consts))
-          if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32)]
+          if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32 and c.ndim >= 1)]
 
 
 def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | None,
