@@ -302,7 +302,8 @@ def cannot_close(planner: Planner, plan: plan_lib.Plan) -> str | None:
   fmt = diagnose_lib.format_bytes
   return (f"estimated: {plan.describe()} needs at least {fmt(int(floor))} of "
           f"{fmt(planner._capacity)} (XLA's flags and donation cut a failed compile's "
-          f"{fmt(min(figures))} by a third at most where measured; half is assumed)")
+          f"{fmt(min(figures))} by a third at most where measured; half is assumed; "
+          f"search='ladder' compiles them anyway)")
 
 
 def _started(planner: Planner, plan: plan_lib.Plan) -> bool:
