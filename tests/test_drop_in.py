@@ -126,6 +126,30 @@ def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
   assert "drop-in: gradient of `loss_fn` in `lm1b_train_step`" in page
 
 
+def test_a_microbatch_plan_the_rewrite_cannot_split_has_no_figure(tmp_path, monkeypatch):
+  """Where the drop-in's rewrite fails for a count (a bug the report asks to be told of),
+  the plan compiles the whole batch under a microbatch plan's name: its probe says nothing
+  of the plan, so it is not read as a figure, and no microbatch plan is chosen by it."""
+  from hbm_guard._src import auto_grad  # pylint: disable=g-import-not-at-top
+  def broken(*args, **kwargs):
+    raise RuntimeError("a rewrite this jaxpr defeats")
+  monkeypatch.setattr(auto_grad, "microbatched", broken)
+  tokens = _tokens()
+  state = _linen_state(tokens)
+  batch = {"inputs": tokens}
+  capacity = _donated_peak(lm1b_train_step, state, batch) // 3
+  step = hbm_guard.guarded_jit(lm1b_train_step, state_argnums=0, capacity=capacity,
+                               max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  try:
+    step.fit(state, batch)
+  except hbm_guard.LadderExhaustedError:
+    pass
+  probes = [p for a in step.attempts if a.planning for p in a.planning.probes]
+  split = [p for p in probes if p.plan.microbatches > 1]
+  assert split and all(p.need_bytes is None for p in split)
+  assert all(a.plan.microbatches == 1 for a in step.attempts)
+
+
 class NnxBlock(nnx.Module):
   def __init__(self, rngs):
     self.norm = nnx.LayerNorm(EMB, rngs=rngs)

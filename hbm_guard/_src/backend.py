@@ -316,6 +316,10 @@ def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
 
 
 def _figure(trial: compile_lib.Trial) -> int | None:
+  """A probe's figure; None where it is not the plan's (a drop-in step whose batch this
+  plan's trace could not split compiled the whole batch under a microbatch plan's name)."""
+  if trial.plan.microbatches > 1 and trial.facts is not None and trial.facts.auto_refused:
+    return None
   if trial.record is not None:
     return trial.record.required_bytes
   return (trial.memory or {}).get("peak")
