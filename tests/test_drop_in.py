@@ -103,13 +103,19 @@ def _train_both(step, guarded, state, batch, n=3):
   return state, ref_state, outs
 
 
-def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
+def _lm1b_guarded(tmp_path):
+  """The lm1b step guarded at a third of its donated peak: (step, state, batch, capacity)."""
   tokens = _tokens()
   state = _linen_state(tokens)
   batch = {"inputs": tokens}
   capacity = _donated_peak(lm1b_train_step, state, batch) // 3
   step = hbm_guard.guarded_jit(lm1b_train_step, state_argnums=0, capacity=capacity,
                                max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  return step, state, batch, capacity
+
+
+def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
+  step, state, batch, capacity = _lm1b_guarded(tmp_path)
   state, ref_state, outs = _train_both(lm1b_train_step, step, state, batch)
   assert step.plan.microbatches > 1
   assert len(step.attempts) <= 3
@@ -134,12 +140,7 @@ def test_a_microbatch_plan_the_rewrite_cannot_split_has_no_figure(tmp_path, monk
   def broken(*args, **kwargs):
     raise RuntimeError("a rewrite this jaxpr defeats")
   monkeypatch.setattr(auto_grad, "microbatched", broken)
-  tokens = _tokens()
-  state = _linen_state(tokens)
-  batch = {"inputs": tokens}
-  capacity = _donated_peak(lm1b_train_step, state, batch) // 3
-  step = hbm_guard.guarded_jit(lm1b_train_step, state_argnums=0, capacity=capacity,
-                               max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  step, state, batch, _ = _lm1b_guarded(tmp_path)
   try:
     step.fit(state, batch)
   except hbm_guard.LadderExhaustedError:
