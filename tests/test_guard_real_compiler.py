@@ -36,6 +36,35 @@ def test_flax_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_d
   assert len(losses) == 2 and all(np.isfinite(losses))
 
 
+def test_the_main_jobs_chosen_plan_is_compiled_once_beside_the_probes(tmp_path, v5e_devices,
+                                                                      monkeypatch):
+  # The README job: microbatch(8) fits by its probe, which bounds the remat family to 1, 2,
+  # 4 microbatches. 4 is then compiled at once, beside the probe of 2, and that compile
+  # (not a second one) is the climb's attempt: one real compile of the plan in force.
+  from hbm_guard._src import backend as backend_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard.integrations import flax as hg_flax  # pylint: disable=g-import-not-at-top
+  compiled, beside = [], []
+  compile_, staged = backend_lib.TargetBackend.compile, backend_lib.TargetBackend.staged_compile
+  monkeypatch.setattr(backend_lib.TargetBackend, "compile", lambda self, p, *a, **k: (
+      compiled.append(p.describe()) if not k.get("probe") else None) or compile_(self, p, *a, **k))
+  monkeypatch.setattr(backend_lib.TargetBackend, "staged_compile", lambda self, p, *a: (
+      beside.append(p.describe())) or staged(self, p, *a))
+  cfg = train.Config()
+  step = hg_flax.guarded_train_step(train.loss_fn, target="v5e:1x1", capacity="96MiB",
+                                    max_class="numerics", plan_cache=False,
+                                    report_dir=str(tmp_path), progress=False)
+  step.fit(train.make_state(cfg), train.make_batch(cfg, 0))
+  first, last = step.attempts
+  assert first.outcome == "oom" and last.outcome == "fits"
+  chosen = last.plan.describe()
+  assert last.plan.remat_policy and last.plan.microbatches == 4
+  assert beside == [chosen] and chosen not in compiled and len(compiled) == 1
+  made = [p for p in first.planning.probes if p.compiled]
+  assert [p.plan.describe() for p in made] == [chosen]
+  assert made[0].need_bytes == last.memory["peak"] <= 96 * MiB
+  assert all(p.plan.describe() != chosen for p in first.planning.probes if not p.compiled)
+
+
 def _state_step(w, x):
   g = jax.grad(lambda w: jnp.tanh(x @ w).mean())(w)
   return w - 0.1 * g, g.mean()

@@ -311,3 +311,56 @@ def test_what_is_made_while_the_first_compile_runs_is_what_the_planner_starts_wi
     first = dataclasses.replace(probes[0], microbatches=1, rungs=())
     assert {dataclasses.replace(p, rungs=()) for p in priced} == {
         dataclasses.replace(p, rungs=()) for p in others} | {first}
+
+
+def _readme_planner(figures, fits_by_compile, rounds, compiled):
+  """The README job's figures, probes in a pool, and real compiles beside them."""
+  def start_probes(plans):
+    rounds.append([(p.remat_policy, p.microbatches) for p in plans])
+    return [lambda p=p: (int(figures[p.remat_policy][p.microbatches] * MiB), 1.0)
+            for p in plans]
+  def start_compile(plan):
+    compiled.append((plan.remat_policy, plan.microbatches))
+    fits = fits_by_compile(plan)
+    return lambda: (int(figures[plan.remat_policy][plan.microbatches] * MiB), 10.0, fits)
+  flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
+  planner = planner_lib.Planner(lambda p: start_probes([p])[0]()[0], flops,
+                                capacity=96 * MiB, scale=1.3, start_probes=start_probes,
+                                side_by_side=True, start_compile=start_compile)
+  return planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+                        [1, 2, 4, 8, 16, 32, 64], offload_bytes=0), planner
+
+
+_README_FIGURES = {None: {1: 682, 2: 336.5, 4: 155.04, 8: 67.34, 16: 64, 32: 62, 64: 61.15},
+                   "dots": {1: 300, 2: 138.54, 4: 61.65, 8: 61.9, 16: 61, 32: 60.6, 64: 60.48}}
+
+
+def test_the_decisive_plan_is_compiled_beside_the_probes_not_probed():
+  # A plain family's fit (microbatch 8) bounds the remat family to 1, 2, 4: if 2 does not
+  # fit, 4 is the choice, so its probe would only decide whether to compile it. It is
+  # compiled at once (a plan that does not fit fails libtpu's early check as fast as a
+  # probe), beside the probe of 2; the choice is that compile's, with its own figure.
+  rounds, compiled = [], []
+  choice, planner = _readme_planner(_README_FIGURES, lambda p: True, rounds, compiled)
+  assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
+  assert compiled == [("dots", 4)]
+  probed = [pk for r in rounds for pk in r]
+  assert ("dots", 4) not in probed and ("dots", 2) in probed and len(probed) == 5
+  assert choice.predicted_bytes == int(61.65 * MiB) and "compiled beside" in choice.why
+  assert [p.compiled for p in planner.probes].count(True) == 1
+
+
+def test_a_decisive_compile_that_does_not_fit_or_is_beaten_is_not_chosen():
+  # Its compile says it does not fit: the family has nothing below the bound, and the
+  # plain family's fit stands (and calibrates nothing: the figure is a compile's own).
+  rounds, compiled = [], []
+  choice, planner = _readme_planner(_README_FIGURES, lambda p: False, rounds, compiled)
+  assert compiled == [("dots", 4)]
+  assert choice.plan == hbm_guard.Plan(microbatches=8) and planner.scale == 1.3
+  # Fewer microbatches fit by their probe: they are chosen, the compile left unread.
+  figures = {None: _README_FIGURES[None], "dots": {**_README_FIGURES["dots"], 2: 60.0}}
+  rounds, compiled = [], []
+  choice, planner = _readme_planner(figures, lambda p: True, rounds, compiled)
+  assert compiled == [("dots", 4)]
+  assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=2)
+  assert not any(p.compiled for p in planner.probes)

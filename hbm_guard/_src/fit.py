@@ -176,6 +176,9 @@ class Fit:
                                         and jax.process_index() == 0)
     self._out_of_time: budget_lib.OutOfTime | None = None
     self._first = len(ledger.attempts)
+    # real compiles started beside the probes (planner: decisive plans), by program
+    self._beside: dict[plan_lib.Plan, concurrent.futures.Future] = {}
+    self._beside_paid: set[plan_lib.Plan] = set()
 
   # -- the fit ---------------------------------------------------------------------------
 
@@ -204,7 +207,8 @@ class Fit:
       if not prepare or self.budget.count(budget_lib.Spend.COMPILE):
         return self._compile(p)
       preparations.append(prepare_lib.Preparation(self.backend, self.step, o, self.key,
-                                                  self.args, self.kwargs, p))
+                                                  self.args, self.kwargs, p,
+                                                  at_once=_probe_workers() > 1))
       return self._compile(p, preparations[-1])
 
     try:
@@ -266,14 +270,41 @@ class Fit:
 
   def _compile(self, plan: plan_lib.Plan, meanwhile: backend_lib.Meanwhile | None = None
                ) -> compile_lib.Trial:
+    if planner_lib.program(plan) in self._beside:  # started beside the probes: waited for
+      return dataclasses.replace(self._beside_trial(plan), plan=plan)
     self.budget.check(budget_lib.Spend.COMPILE)
     trial = self.backend.compile(plan, self.key, self.args, self.kwargs, meanwhile=meanwhile)
+    return self._paid(plan, trial)
+
+  def _paid(self, plan: plan_lib.Plan, trial: compile_lib.Trial) -> compile_lib.Trial:
+    """A compile's seconds counted against the budget, and its line of progress."""
     self.budget.record(budget_lib.Spend.COMPILE, trial.seconds)
     rec = trial.record
     self.progress.compiled(
         plan.describe(), trial.outcome is compile_lib.Outcome.FITS,
         rec.required_bytes if rec else (trial.memory or {}).get("peak"),
         rec.available_bytes if rec else self.backend.capacity(self.args), trial.seconds)
+    return trial
+
+  def _start_compile(self, plan: plan_lib.Plan):
+    """Starts a real compile of `plan` in the probes' pool (lowered here); a call that
+    waits for (figure, seconds, fits). The compile is the one the climb then uses."""
+    self.budget.check(budget_lib.Spend.COMPILE)
+    self._pool = self._pool or _probe_pool()
+    run = self.backend.staged_compile(plan, self.key, self.args, self.kwargs)
+    self._beside[planner_lib.program(plan)] = self._pool.submit(run)
+    def read():
+      trial = self._beside_trial(plan)
+      return (backend_lib.figure(trial), trial.seconds,
+              trial.outcome is compile_lib.Outcome.FITS)
+    return read
+
+  def _beside_trial(self, plan: plan_lib.Plan) -> compile_lib.Trial:
+    program = planner_lib.program(plan)
+    trial = self._beside[program].result()
+    if program not in self._beside_paid:
+      self._beside_paid.add(program)
+      self._paid(plan, trial)
     return trial
 
   def _probe(self, plan: plan_lib.Plan) -> int | None:
@@ -327,7 +358,9 @@ class Fit:
           capacity,
           scale=self.backend.probe_scale, exact=self.backend.exact_probes,
           headroom=o.headroom, start_probes=self._start_probes,
-          side_by_side=_probe_workers() > 1 and hasattr(self.backend, "staged_probe"))
+          side_by_side=_probe_workers() > 1 and hasattr(self.backend, "staged_probe"),
+          start_compile=(self._start_compile if hasattr(self.backend, "staged_compile")
+                         else None))
     self._last = (plan, facts)
     self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
     try:

@@ -56,10 +56,14 @@ class Probe:
   plan: plan_lib.Plan
   need_bytes: int | None  # what the probe says the plan needs (None: it could not tell)
   seconds: float
+  compiled: bool = False  # a real compile at the capacity, made beside the probes
 
   def to_dict(self):
-    return {"plan": self.plan.describe(), "rungs": list(with_rungs(self.plan, self.plan).rungs),
-            "need_bytes": self.need_bytes, "seconds": round(self.seconds, 3)}
+    d = {"plan": self.plan.describe(), "rungs": list(with_rungs(self.plan, self.plan).rungs),
+         "need_bytes": self.need_bytes, "seconds": round(self.seconds, 3)}
+    if self.compiled:
+      d["compiled"] = True
+    return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +100,16 @@ class Planner:
                clock: Callable[[], float] = time.perf_counter,
                start_probes: Callable[[Sequence[plan_lib.Plan]],
                                       list[Callable[[], tuple[int | None, float]]]] | None = None,
-               side_by_side: bool = False):
+               side_by_side: bool = False,
+               start_compile: Callable[[plan_lib.Plan],
+                                       Callable[[], tuple[int | None, float, bool]]] | None = None):
     self._probe, self._flops, self._capacity = probe, flops, capacity
     self._start = start_probes  # probes started at once; each waited for when read
     self.side_by_side = side_by_side and start_probes is not None  # they run in parallel
+    # A real compile started beside the probes (decisive plans): read as (figure, s, fits)
+    self._start_compile = start_compile if self.side_by_side else None
+    self._compiling: dict[plan_lib.Plan, Callable[[], tuple[int | None, float, bool]]] = {}
+    self.fit_by_compile: set[plan_lib.Plan] = set()  # plans a real compile here said fit
     self._pending: dict[plan_lib.Plan, Callable[[], tuple[int | None, float]]] = {}
     self._clock = clock
     self.compile_seconds: list[float] = []  # of the real compiles this planner observed
@@ -165,6 +175,8 @@ class Planner:
       if real_bytes:
         self._real[program(plan)] = real_bytes
     probe = self._need.get(program(plan))
+    if any(p.compiled and p.plan == program(plan) for p in self.probes):
+      return  # its figure is the compile's own: no probe to calibrate
     if plan.shard_batch and not fits:
       # Gathering each layer's parameters whole is what libtpu's early check sees least
       # of (a probe read 1.15 MiB where the compile needed 3.07): its ratio would condemn
@@ -230,15 +242,19 @@ class Planner:
                   if program(dataclasses.replace(p, microbatches=1)) == program(family)
                   and p.microbatches < k1)
 
-  def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int]) -> int | None:
+  def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int],
+                     decisive: bool = False) -> int | None:
     """The fewest microbatches predicted to fit in this family, by bisection (by the
-    two-point model when probes are dear)."""
+    two-point model when probes are dear). `decisive`: the most microbatches would be the
+    choice if no fewer fit, so where probes are cheap it is compiled, not probed."""
     if not counts:
       return None
     at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
     lo, hi = 0, len(counts) - 1
     if program(at(counts[hi])) in self.failed or cannot_close(self, at(counts[hi])):
       return None
+    if decisive and self._compile_beside(at(counts[hi])):
+      return _bisect_below_compiled(self, family, counts)
     self._prefetch_family(family, counts)
     if not self.fits(self.need(at(counts[hi]))):
       return None
@@ -258,6 +274,34 @@ class Planner:
         lo = mid + 1
     return counts[lo]
 
+  def _compile_beside(self, plan: plan_lib.Plan) -> bool:
+    """Starts a real compile of `plan`, whose probe would only decide whether to compile
+    it (where probes are cheap, and run side by side): the probe and the compile's lowering
+    are saved, and the compile runs beside the probes of the fewer counts."""
+    plan = program(plan)
+    if (self._start_compile is None or self.probes_are_dear or plan in self._need
+        or plan in self._pending or plan in self._compiling):
+      return plan in self._compiling
+    self._compiling[plan] = self._start_compile(plan)
+    return True
+
+  def compiled_fits(self, plan: plan_lib.Plan) -> bool:
+    """Waits for the compile started beside the probes: whether `plan` fits (then it is
+    the compile the fit uses), recording its figure as real."""
+    plan = program(plan)
+    reader = self._compiling.pop(plan, None)
+    if reader is not None:
+      need, seconds, fits = reader()
+      self.probes.append(Probe(plan, need, seconds, compiled=True))
+      self._need[plan] = need
+      if fits:
+        self.fit_by_compile.add(plan)
+      else:
+        self.failed.add(plan)
+        if need:
+          self._real[plan] = need
+    return plan in self.fit_by_compile
+
   def choose(self, families: Sequence[plan_lib.Plan], counts: Sequence[int],
              offload_bytes: int) -> Choice | None:
     """The cheapest plan predicted to fit, over families priced cheapest first. The likely
@@ -268,20 +312,30 @@ class Planner:
       self._prefetch_family(min(families, key=_likely_cost), counts)
     priced = sorted(families, key=lambda f: self.cost(f, offload_bytes))
     best: Choice | None = None
-    for family in priced:
+    for i, family in enumerate(priced):
       if best is not None and self.cost(family, offload_bytes) >= best.cost:
         break  # every plan of this family costs more than the best already found
       worth = [k for k in counts if best is None or self.cost(
           dataclasses.replace(family, microbatches=k), offload_bytes) < best.cost]
-      k = self.smallest_count(family, worth)
+      # Its most microbatches is the choice if no fewer fit: where a fitting plan bounds
+      # the counts (the likeliest to fit is then just cheaper than it), and no later family
+      # offers anything cheaper.
+      decisive = bool(worth) and best is not None and all(
+          self.cost(dataclasses.replace(f, microbatches=counts[0]), offload_bytes)
+          >= self.cost(dataclasses.replace(family, microbatches=worth[-1]), offload_bytes)
+          for f in priced[i + 1:])
+      k = self.smallest_count(family, worth, decisive)
       if k is None:
         continue
       plan = dataclasses.replace(family, microbatches=k)
       cost = self.cost(plan, offload_bytes)
       if best is None or cost < best.cost:
         need = self.figure(plan)
-        best = Choice(plan, int(need * self.scale), cost,
-                      (f"cheapest that fits: compiled at {need} bytes <= {self._capacity}; "
+        compiled = program(plan) in self.fit_by_compile
+        best = Choice(plan, need if compiled else int(need * self.scale), cost,
+                      (f"cheapest that fits: compiled beside the probes of fewer "
+                       f"microbatches, {need} bytes; " if compiled else
+                       f"cheapest that fits: compiled at {need} bytes <= {self._capacity}; "
                        if self.exact else
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
@@ -304,6 +358,24 @@ def cannot_close(planner: Planner, plan: plan_lib.Plan) -> str | None:
           f"{fmt(planner._capacity)} (XLA's flags and donation cut a failed compile's "
           f"{fmt(min(figures))} by a third at most where measured; half is assumed; "
           f"search='ladder' compiles them anyway)")
+
+
+def _bisect_below_compiled(planner: Planner, family: plan_lib.Plan, counts: Sequence[int]
+                           ) -> int | None:
+  """The fewest microbatches that fit, where the most is being compiled: the fewer counts
+  are bisected by probes meanwhile, one at a time (the compile has the other core), and
+  the compile is waited for only if none of them fits."""
+  at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
+  lo, hi = 0, len(counts) - 1  # counts[hi]: compiling, taken to fit until read
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if program(at(counts[mid])) not in planner.failed and planner.fits(planner.need(at(counts[mid]))):
+      hi = mid
+    else:
+      lo = mid + 1
+  if lo < len(counts) - 1:
+    return counts[lo]
+  return counts[-1] if planner.compiled_fits(at(counts[-1])) else None
 
 
 def _started(planner: Planner, plan: plan_lib.Plan) -> bool:

@@ -5,7 +5,11 @@ Once the compile has run long enough that a failure would make probes dear
 (planner.DEAR_COMPILE_SECONDS), a thread lowers the probes that failure starts with, then
 prices the other families (a trace each). At 368M parameters on v5e:1x1 that is ~30 s of
 a core beside a failing compile of ~30 s: the fit spent 25-28 s between its two compiles,
-against 49 s without. The thread starts no new job once the compile is done: what it made
+against 49 s without. Where probes run side by side (more than one core), it starts at
+once with the probes a quick failure would read first, each only if it can be lowered
+before the failure would count as slow (the README job: its first compile fails 1.3 s
+after lowering, and its first probes were lowered meanwhile). The thread starts no new
+job once the compile is done: what it made
 is read by the planner (a probe being lowered is waited for, not lowered twice), and goes
 with the fit. Nothing waits for it if the compile fits.
 """
@@ -32,9 +36,10 @@ class Preparation:
   `stop` it as the compile ends, `close` it with the fit."""
 
   def __init__(self, backend, step: steps_lib.StepBuilder, options: options_lib.GuardOptions,
-               key, args, kwargs, plan: plan_lib.Plan):
+               key, args, kwargs, plan: plan_lib.Plan, at_once: bool = False):
     self.backend, self.step, self.options, self.plan = backend, step, options, plan
     self.key, self.args, self.kwargs = key, args, kwargs
+    self.at_once = at_once  # the cheap probes' opening right away (probes side by side)
     self._stopped, self._closed = threading.Event(), threading.Event()
     self.done: list[str] = []  # what it made, described (for tests and the log)
 
@@ -51,23 +56,44 @@ class Preparation:
     self._closed.set()
 
   def _run(self, facts: compile_lib.TraceFacts, started: float) -> None:
-    wait = AFTER_SECONDS - (time.perf_counter() - started)
-    if self._stopped.wait(min(max(0.0, wait), threading.TIMEOUT_MAX)):
-      return
     try:
-      for what, job in self._jobs(facts, started):
-        if self._stopped.is_set():
-          break
-        job()
-        self.done.append(what)
+      if self.at_once:
+        self._quick_opening(facts, started)
+      wait = AFTER_SECONDS - (time.perf_counter() - started)
+      if not self._stopped.wait(min(max(0.0, wait), threading.TIMEOUT_MAX)):
+        for what, job in self._jobs(facts, started):
+          if self._stopped.is_set():
+            break
+          job()
+          self.done.append(what)
     except Exception as e:  # pylint: disable=broad-except  (preparation, never the compile)
       logging.warning("hbm_guard: preparing the fallback failed: %r", e)
     if self._closed.is_set():
       self.backend.unstage()  # the fit ended while the last job ran: nothing will read it
 
-  def _jobs(self, facts: compile_lib.TraceFacts, started: float):
+  def _quick_opening(self, facts: compile_lib.TraceFacts, started: float) -> None:
+    """The probes a quick failure reads first, each lowered only if it would be ready
+    before the compile counts as slow (so a slow one's own opening is not delayed)."""
+    if time.perf_counter() - started >= AFTER_SECONDS:
+      return
+    o = self.options
+    probes, _ = planner_lib.opening(o.ladder, self.plan, self._step_facts(facts), o.max_class,
+                                    dear=False)
+    last = 0.0
+    for p in probes:
+      t0 = time.perf_counter()
+      if self._stopped.is_set() or t0 + last - started >= AFTER_SECONDS:
+        return
+      self.backend.stage(p, self.key, self.args, self.kwargs)
+      self.done.append("lowered " + p.describe())
+      last = time.perf_counter() - t0
+
+  def _step_facts(self, facts: compile_lib.TraceFacts):
     trial = compile_lib.Trial(self.plan, compile_lib.Outcome.OOM, 0.0, facts)  # facts only
-    step_facts = self.backend.step_facts(self.args, self.kwargs, trial)
+    return self.backend.step_facts(self.args, self.kwargs, trial)
+
+  def _jobs(self, facts: compile_lib.TraceFacts, started: float):
+    step_facts = self._step_facts(facts)
     dear = time.perf_counter() - started >= planner_lib.DEAR_COMPILE_SECONDS
     o, args, kwargs = self.options, self.args, self.kwargs
     probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear)
