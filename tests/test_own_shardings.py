@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hbm_guard
+from hbm_guard._src import backend as backend_lib
+from hbm_guard._src import options as options_lib
 from hbm_guard._src import report as report_lib
+from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import user_shardings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,6 +125,30 @@ def test_resharding_shards_what_the_user_left_replicated():
   assert extend(P("fsdp"), (6,)) == P("fsdp")  # nothing divides: as the user gave it
 
 
+def test_a_refusal_asked_for_while_it_is_traced_waits_for_the_answer(monkeypatch):
+  """The preparation thread asks while the fit's first compile runs; the fit asks when that
+  compile fails. Asked twice at once, each gets the trace's answer (not a `None` set before
+  the trace was done: the fit then planned a resharding the step's types refuse, and its
+  trace raised out of the fit), and the step is traced once."""
+  opts = options_lib.GuardOptions(state_argnums=0)
+  backend = backend_lib.make(steps_lib.StepBuilder(step, opts), opts)
+  traces = []
+  def slow_refusal(args, kwargs):
+    traces.append(threading.current_thread().name)
+    time.sleep(0.3)
+    return "refused by the step's types"
+  monkeypatch.setattr(user_shardings, "explicit", lambda given: True)
+  monkeypatch.setattr(backend, "_refusal", slow_refusal)
+  args, answers = arrays(), []
+  ask = lambda: answers.append(backend._reshard_refused(args, {}, {}))  # noqa: E731
+  threads = [threading.Thread(target=ask) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert answers == ["refused by the step's types"] * 2 and len(traces) == 1
+
+
 @pytest.fixture(name="four_devices", scope="module")
 def _four_devices(tmp_path_factory):
   """tests/own_shardings_main.py run once, with 4 local CPU devices: what it printed."""
@@ -129,6 +158,8 @@ def _four_devices(tmp_path_factory):
   proc = subprocess.run([sys.executable, "-m", "tests.own_shardings_main"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # the preparation thread traced the explicit step under the caller's jax.set_mesh
+  assert "preparing the fallback failed" not in proc.stderr, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

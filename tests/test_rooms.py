@@ -310,6 +310,33 @@ def test_a_preparation_lowers_the_opening_probes_then_prices_and_stops_when_told
   assert rec.asked == [] and stopped.done == []
 
 
+def test_a_preparation_traces_under_the_callers_mesh_jax_config_and_context_variables():
+  # a step written for jax.set_mesh (reshard to a bare PartitionSpec) failed to trace in the
+  # preparation thread, which has none of the caller's thread-local settings
+  import contextvars  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import thread_context  # pylint: disable=g-import-not-at-top
+  var = contextvars.ContextVar("var", default="unset")
+  axis = getattr(jax.sharding.AxisType, "Explicit")
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",), axis_types=(axis,))
+  seen = {}
+  def look():
+    seen.update(mesh=jax.sharding.get_mesh(), precision=jax.config.jax_default_matmul_precision,
+                var=var.get())
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    var.set("set")
+    captured = thread_context.capture()
+  for target in (look, lambda: captured.run(look)):
+    seen.clear()
+    worker = threading.Thread(target=target)
+    worker.start()
+    worker.join()
+    if target is look:  # a bare thread: none of it
+      assert seen["mesh"].empty and seen["precision"] is None and seen["var"] == "unset"
+  assert seen == {"mesh": mesh, "precision": "highest", "var": "set"}
+  assert jax.sharding.get_mesh().empty and jax.config.jax_default_matmul_precision is None
+
+
 def _mlp_step(w, batch):
   def loss_fn(w):
     return jnp.mean((jnp.tanh(batch["x"] @ w["a"]) @ w["b"] - batch["y"]) ** 2)

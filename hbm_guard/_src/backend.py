@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -84,7 +85,8 @@ class _Base:
 
   def __init__(self, step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
     self.step, self.options = step, options
-    self._refused: dict[Any, str | None] = {}  # signature -> why resharding is refused
+    self._refused: dict[Any, str | None] = {}  # (signature, state argnums) -> why resharding is refused
+    self._refusing = threading.Lock()  # the preparation thread asks too, while a compile runs
 
   def devices(self) -> list[Any]:
     raise NotImplementedError
@@ -100,6 +102,7 @@ class _Base:
     tf = trial.facts or compile_lib.TraceFacts()
     given = user_shardings.per_leaf(self.options.jit_kwargs, args, self.step.static(len(args)))
     replaced = tuple(i for i, _ in tf.replaced)
+    self.step.learn(trial.facts)  # the refusal's trace shards that state (asked before a compile)
     try:
       has_host = any(getattr(m, "kind", "") == "pinned_host"
                      for m in devices[0].addressable_memories())
@@ -121,20 +124,26 @@ class _Base:
     axes a step type-checks against its inputs' shardings (`given`): traced once to see."""
     if not user_shardings.explicit(given):
       return None
-    key = self.step.key(args, kwargs)
-    if key not in self._refused:
-      devices = self.devices()
-      jitted, targs, tkw = self.step.on_devices(plan_lib.Plan(shard_state=True), args, kwargs,
-                                                devices, {})
-      self._refused[key] = None
-      try:
-        with user_shardings.context_on(devices):
-          jitted.trace(*targs, **tkw)
-      except _SHARDING_TYPE_ERROR as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        self._refused[key] = (f"under Explicit mesh axes the step's types refuse its state "
-                              f"sharded further ({first[:200]})")
-    return self._refused[key]
+    # what the trace shards is the state the step returns anew: an answer made before
+    # that was known (it shards nothing) is not the answer once it is
+    key = (self.step.key(args, kwargs), tuple(i for i, _ in self.step.replaced))
+    with self._refusing:  # one trace per signature, and no answer before it is known
+      if key not in self._refused:
+        self._refused[key] = self._refusal(args, kwargs)
+      return self._refused[key]
+
+  def _refusal(self, args, kwargs) -> str | None:
+    devices = self.devices()
+    jitted, targs, tkw = self.step.on_devices(plan_lib.Plan(shard_state=True), args, kwargs,
+                                              devices, {})
+    try:
+      with user_shardings.context_on(devices):
+        jitted.trace(*targs, **tkw)
+    except _SHARDING_TYPE_ERROR as e:
+      first = str(e).splitlines()[0] if str(e) else type(e).__name__
+      return (f"under Explicit mesh axes the step's types refuse its state "
+              f"sharded further ({first[:200]})")
+    return None
 
   def _trial(self, plan, compile_fn, facts_fn, capacity, placed=()) -> compile_lib.Trial:
     trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,

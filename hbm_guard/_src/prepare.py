@@ -27,6 +27,7 @@ from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import steps as steps_lib
+from hbm_guard._src import thread_context
 
 AFTER_SECONDS = planner_lib.DEAR_COMPILE_SECONDS  # a compile this long: its probes are dear
 
@@ -44,9 +45,9 @@ class Preparation:
     self.done: list[str] = []  # what it made, described (for tests and the log)
 
   def start(self, facts: compile_lib.TraceFacts | None, started: float) -> None:
-    if facts is not None:
-      threading.Thread(target=self._run, args=(facts, started), daemon=True,
-                       name="hbm_guard-prepare").start()
+    if facts is not None:  # traced as the caller's thread would (its mesh, its jax config)
+      threading.Thread(target=thread_context.capture().run, args=(self._run, facts, started),
+                       daemon=True, name="hbm_guard-prepare").start()
 
   def stop(self) -> None:
     self._stopped.set()

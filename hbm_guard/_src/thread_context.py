@@ -1,0 +1,68 @@
+"""The caller's tracing context, carried into a helper thread that traces for it.
+
+jax keeps `jax.set_mesh`, `jax.enable_x64`, `jax.default_matmul_precision` and the like per
+thread, and Python's context variables start empty in a new thread. A thread that lowers
+probes or prices plans while the fit's compile runs must trace the step as the caller's
+thread would: under Explicit mesh axes a trace without the caller's mesh types the step
+differently (its refusal of a resharding was missed, and the fit then probed a plan the
+step's own types reject).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from hbm_guard._src import user_shardings
+
+try:  # jax's thread-local config values (x64, matmul precision, ...): private, so optional
+  from jax._src import config as _jax_config
+except ImportError:  # pragma: no cover
+  _jax_config = None
+
+
+def _local_config() -> tuple[tuple[Any, Any], ...]:
+  """(state, value) for each jax config value this thread has set for itself."""
+  states = getattr(_jax_config, "config_states", None)
+  unset = getattr(getattr(_jax_config, "config_ext", None), "unset", None)
+  if not states or unset is None:
+    return ()
+  out = []
+  for state in list(states.values()):
+    try:
+      value = state.get_local()
+    except Exception:  # pylint: disable=broad-except  (a state without a local value)
+      continue
+    if value is not unset:
+      out.append((state, value))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+  """What a thread had set when `capture` was called; `run` reproduces it elsewhere."""
+  mesh: Any  # the user's jax.set_mesh mesh, or None
+  local_config: tuple[tuple[Any, Any], ...]
+  variables: contextvars.Context
+
+  def run(self, fn: Callable[..., Any], *args) -> Any:
+    return self.variables.copy().run(self._run, fn, args)
+
+  def _run(self, fn, args):
+    previous = [(state, state.swap_local(value)) for state, value in self.local_config]
+    try:
+      if self.mesh is None:
+        return fn(*args)
+      with jax.set_mesh(self.mesh):
+        return fn(*args)
+    finally:
+      for state, value in reversed(previous):
+        state.set_local(value)
+
+
+def capture() -> Captured:
+  """This thread's tracing context, to run a helper thread's work under."""
+  return Captured(user_shardings.context_mesh(), _local_config(), contextvars.copy_context())
