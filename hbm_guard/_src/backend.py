@@ -85,7 +85,7 @@ class _Base:
 
   def __init__(self, step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
     self.step, self.options = step, options
-    self._refused: dict[Any, str | None] = {}  # (signature, state argnums) -> why resharding is refused
+    self._refused: dict[Any, str | None] = {}  # (signature, state) -> why reshard is refused
     self._refusing = threading.Lock()  # the preparation thread asks too, while a compile runs
 
   def devices(self) -> list[Any]:

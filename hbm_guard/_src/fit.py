@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from absl import logging
@@ -177,8 +177,8 @@ class Fit:
     self._out_of_time: budget_lib.OutOfTime | None = None
     self._first = len(ledger.attempts)
     # real compiles started beside the probes (planner: decisive plans), by program
-    self._beside: dict[plan_lib.Plan, concurrent.futures.Future] = {}
-    self._beside_paid: set[plan_lib.Plan] = set()
+    # program -> its compile started beside the probes, waited for and paid for once
+    self._beside: dict[plan_lib.Plan, Callable[[], compile_lib.Trial]] = {}
 
   # -- the fit ---------------------------------------------------------------------------
 
@@ -270,8 +270,9 @@ class Fit:
 
   def _compile(self, plan: plan_lib.Plan, meanwhile: backend_lib.Meanwhile | None = None
                ) -> compile_lib.Trial:
-    if planner_lib.program(plan) in self._beside:  # started beside the probes: waited for
-      return dataclasses.replace(self._beside_trial(plan), plan=plan)
+    beside = self._beside.get(planner_lib.program(plan))
+    if beside is not None:  # started beside the probes: waited for
+      return dataclasses.replace(beside(), plan=plan)
     self.budget.check(budget_lib.Spend.COMPILE)
     trial = self.backend.compile(plan, self.key, self.args, self.kwargs, meanwhile=meanwhile)
     return self._paid(plan, trial)
@@ -292,20 +293,13 @@ class Fit:
     self.budget.check(budget_lib.Spend.COMPILE)
     self._pool = self._pool or _probe_pool()
     run = self.backend.staged_compile(plan, self.key, self.args, self.kwargs)
-    self._beside[planner_lib.program(plan)] = self._pool.submit(run)
+    future = self._pool.submit(run)
+    trial = self._beside[planner_lib.program(plan)] = functools.cache(
+        lambda: self._paid(plan, future.result()))
     def read():
-      trial = self._beside_trial(plan)
-      return (backend_lib.figure(trial), trial.seconds,
-              trial.outcome is compile_lib.Outcome.FITS)
+      t = trial()
+      return backend_lib.figure(t), t.seconds, t.outcome is compile_lib.Outcome.FITS
     return read
-
-  def _beside_trial(self, plan: plan_lib.Plan) -> compile_lib.Trial:
-    program = planner_lib.program(plan)
-    trial = self._beside[program].result()
-    if program not in self._beside_paid:
-      self._beside_paid.add(program)
-      self._paid(plan, trial)
-    return trial
 
   def _probe(self, plan: plan_lib.Plan) -> int | None:
     return self._start_probes([plan])[0]()[0]

@@ -110,6 +110,7 @@ class Planner:
     self._start_compile = start_compile if self.side_by_side else None
     self._compiling: dict[plan_lib.Plan, Callable[[], tuple[int | None, float, bool]]] = {}
     self.fit_by_compile: set[plan_lib.Plan] = set()  # plans a real compile here said fit
+    self._compiled: set[plan_lib.Plan] = set()  # every plan compiled beside the probes
     self._pending: dict[plan_lib.Plan, Callable[[], tuple[int | None, float]]] = {}
     self._clock = clock
     self.compile_seconds: list[float] = []  # of the real compiles this planner observed
@@ -175,7 +176,7 @@ class Planner:
       if real_bytes:
         self._real[program(plan)] = real_bytes
     probe = self._need.get(program(plan))
-    if any(p.compiled and p.plan == program(plan) for p in self.probes):
+    if program(plan) in self._compiled:
       return  # its figure is the compile's own: no probe to calibrate
     if plan.shard_batch and not fits:
       # Gathering each layer's parameters whole is what libtpu's early check sees least
@@ -249,30 +250,17 @@ class Planner:
     choice if no fewer fit, so where probes are cheap it is compiled, not probed."""
     if not counts:
       return None
-    at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
-    lo, hi = 0, len(counts) - 1
-    if program(at(counts[hi])) in self.failed or cannot_close(self, at(counts[hi])):
+    most = dataclasses.replace(family, microbatches=counts[-1])
+    if program(most) in self.failed or cannot_close(self, most):
       return None
-    if decisive and self._compile_beside(at(counts[hi])):
+    if decisive and self._compile_beside(most):
       return _bisect_below_compiled(self, family, counts)
     self._prefetch_family(family, counts)
-    if not self.fits(self.need(at(counts[hi]))):
+    if not self.fits(self.need(most)):
       return None
     if self.probes_are_dear and len(counts) > 1:
       return _modelled_count(self, family, counts)
-    ok = lambda i: program(at(counts[i])) not in self.failed and self.fits(self.need(at(counts[i])))  # noqa: E731
-    while lo < hi:
-      mid = (lo + hi) // 2
-      if self.side_by_side and hi - lo >= 2 and not _started(self, at(counts[mid])):
-        # Two probes a round, side by side: the thirds of what is left, not its half.
-        a, b = lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3
-        self.prefetch([at(counts[a]), at(counts[b])])
-        lo, hi = (lo, a) if ok(a) else (a + 1, b) if ok(b) else (b + 1, hi)
-      elif ok(mid):
-        hi = mid
-      else:
-        lo = mid + 1
-    return counts[lo]
+    return counts[_bisect(self, family, counts, thirds=self.side_by_side)]
 
   def _compile_beside(self, plan: plan_lib.Plan) -> bool:
     """Starts a real compile of `plan`, whose probe would only decide whether to compile
@@ -294,6 +282,7 @@ class Planner:
       need, seconds, fits = reader()
       self.probes.append(Probe(plan, need, seconds, compiled=True))
       self._need[plan] = need
+      self._compiled.add(plan)
       if fits:
         self.fit_by_compile.add(plan)
       else:
@@ -365,17 +354,32 @@ def _bisect_below_compiled(planner: Planner, family: plan_lib.Plan, counts: Sequ
   """The fewest microbatches that fit, where the most is being compiled: the fewer counts
   are bisected by probes meanwhile, one at a time (the compile has the other core), and
   the compile is waited for only if none of them fits."""
-  at = lambda k: dataclasses.replace(family, microbatches=k)  # noqa: E731
-  lo, hi = 0, len(counts) - 1  # counts[hi]: compiling, taken to fit until read
+  lo = _bisect(planner, family, counts, thirds=False)  # counts[-1]: compiling, taken to fit
+  if lo < len(counts) - 1:
+    return counts[lo]
+  most = dataclasses.replace(family, microbatches=counts[-1])
+  return counts[-1] if planner.compiled_fits(most) else None
+
+
+def _bisect(planner: Planner, family: plan_lib.Plan, counts: Sequence[int], thirds: bool
+            ) -> int:
+  """The index of the fewest microbatches predicted to fit, the most taken to fit. One
+  probe a round, or with `thirds` two side by side: the thirds of what is left."""
+  at = lambda i: dataclasses.replace(family, microbatches=counts[i])  # noqa: E731
+  def ok(i):
+    return program(at(i)) not in planner.failed and planner.fits(planner.need(at(i)))
+  lo, hi = 0, len(counts) - 1
   while lo < hi:
     mid = (lo + hi) // 2
-    if program(at(counts[mid])) not in planner.failed and planner.fits(planner.need(at(counts[mid]))):
+    if thirds and hi - lo >= 2 and not _started(planner, at(mid)):
+      a, b = lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3
+      planner.prefetch([at(a), at(b)])
+      lo, hi = (lo, a) if ok(a) else (a + 1, b) if ok(b) else (b + 1, hi)
+    elif ok(mid):
       hi = mid
     else:
       lo = mid + 1
-  if lo < len(counts) - 1:
-    return counts[lo]
-  return counts[-1] if planner.compiled_fits(at(counts[-1])) else None
+  return lo
 
 
 def _started(planner: Planner, plan: plan_lib.Plan) -> bool:

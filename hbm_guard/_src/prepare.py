@@ -8,10 +8,10 @@ a core beside a failing compile of ~30 s: the fit spent 25-28 s between its two 
 against 49 s without. Where probes run side by side (more than one core), it starts at
 once with the probes a quick failure would read first, each only if it can be lowered
 before the failure would count as slow (the README job: its first compile fails 1.3 s
-after lowering, and its first probes were lowered meanwhile). The thread starts no new
-job once the compile is done: what it made
-is read by the planner (a probe being lowered is waited for, not lowered twice), and goes
-with the fit. Nothing waits for it if the compile fits.
+after lowering, and its first probes were lowered meanwhile). The thread traces as the
+caller's thread would (thread_context) and starts no new job once the compile is done:
+what it made is read by the planner (a probe being lowered is waited for, not lowered
+twice), and goes with the fit. Nothing waits for it if the compile fits.
 """
 
 from __future__ import annotations
