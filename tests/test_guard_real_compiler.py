@@ -39,8 +39,9 @@ def test_flax_step_trips_e1000_for_v5e_and_fits_after_the_ladder(tmp_path, v5e_d
 def test_the_main_jobs_chosen_plan_is_compiled_once_beside_the_probes(tmp_path, v5e_devices,
                                                                       monkeypatch):
   # The README job: microbatch(8) fits by its probe, which bounds the remat family to 1, 2,
-  # 4 microbatches. 4 is then compiled at once, beside the probe of 2, and that compile
-  # (not a second one) is the climb's attempt: one real compile of the plan in force.
+  # 4 microbatches. 4 is then compiled at once, beside the probes of microbatch(4) and of
+  # remat at 2, and that compile (not a second one) is the climb's attempt: one real
+  # compile of the plan in force.
   # (jax 0.10's figures differ: the donated family fits at 16, the remat family's 8 is
   # compiled beside, and the probe of 4 fits and beats it: compiled again, left unread.)
   from hbm_guard._src import backend as backend_lib  # pylint: disable=g-import-not-at-top

@@ -340,12 +340,18 @@ def test_the_decisive_plan_is_compiled_beside_the_probes_not_probed():
   # fit, 4 is the choice, so its probe would only decide whether to compile it. It is
   # compiled at once (a plan that does not fit fails libtpu's early check as fast as a
   # probe), beside the probe of 2; the choice is that compile's, with its own figure.
+  # It is the dearest plan cheaper than microbatch(8), so it starts as soon as the plain
+  # family has one round left (2 and 4), not after it: 4 probes after the first pair's,
+  # the plain family's from the top down (4 does not fit: nor does 2), one at a time.
   rounds, compiled = [], []
   choice, planner = _readme_planner(_README_FIGURES, lambda p: True, rounds, compiled)
   assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
   assert compiled == [("dots", 4)]
-  probed = [pk for r in rounds for pk in r]
-  assert ("dots", 4) not in probed and ("dots", 2) in probed and len(probed) == 5
+  assert rounds == [[(None, 64), (None, 8)], [(None, 4)], [("dots", 2)]]
+  assert [p.compiled for p in planner.probes] == [False] * 4 + [True]  # read last
+  events = []  # in the order they started: the compile before the plain family's last probe
+  _readme_planner(_README_FIGURES, lambda p: True, events, events)
+  assert events == [[(None, 64), (None, 8)], ("dots", 4), [(None, 4)], [("dots", 2)]]
   assert choice.predicted_bytes == int(61.65 * MiB) and "compiled beside" in choice.why
   assert [p.compiled for p in planner.probes].count(True) == 1
 
@@ -364,3 +370,17 @@ def test_a_decisive_compile_that_does_not_fit_or_is_beaten_is_not_chosen():
   assert compiled == [("dots", 4)]
   assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=2)
   assert not any(p.compiled for p in planner.probes)
+
+
+def test_no_compile_is_started_ahead_from_a_familys_top():
+  # jax 0.10's figures: microbatch(8) does not fit, so the plain family's bound is its top
+  # (64) until 16 and 32 are read; the dearest plan below 64 (remat at 32) says nothing of
+  # the answer, so nothing is compiled ahead. The remat family's own decisive compile (8,
+  # cheaper than microbatch(16)) then runs beside its probes, and a probe of 4 beats it.
+  figures = {None: {**_README_FIGURES[None], 8: 75.56, 16: 61.65},
+             "dots": {**_README_FIGURES["dots"], 8: 61.0}}
+  events = []
+  choice, _ = _readme_planner(figures, lambda p: True, events, events)
+  assert events == [[(None, 64), (None, 8)], [(None, 16), (None, 32)], ("dots", 8),
+                    [("dots", 2)], [("dots", 4)]]
+  assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)

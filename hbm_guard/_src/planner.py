@@ -16,6 +16,7 @@ predicted to fit is compiled for real, and every real figure recalibrates the pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -49,6 +50,8 @@ DEAR_COMPILE_SECONDS = 10.0  # a failed compile this slow: its probes will be de
 # where that is over the capacity, it is not probed (at 368M a probe of the flags took
 # 87-168 s, a failing compile 20).
 FLAGS_FLOOR = 0.5
+# (bound, this family's unresolved plans) -> whether a later family's compile was started
+_Ahead = Callable[[plan_lib.Plan, Sequence[plan_lib.Plan]], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,10 +247,11 @@ class Planner:
                   and p.microbatches < k1)
 
   def smallest_count(self, family: plan_lib.Plan, counts: Sequence[int],
-                     decisive: bool = False) -> int | None:
+                     decisive: bool = False, ahead: _Ahead | None = None) -> int | None:
     """The fewest microbatches predicted to fit in this family, by bisection (by the
     two-point model when probes are dear). `decisive`: the most microbatches would be the
-    choice if no fewer fit, so where probes are cheap it is compiled, not probed."""
+    choice if no fewer fit, so where probes are cheap it is compiled, not probed. `ahead`:
+    may start a later family's decisive compile once this family has one round left."""
     if not counts:
       return None
     most = dataclasses.replace(family, microbatches=counts[-1])
@@ -260,7 +264,7 @@ class Planner:
       return None
     if self.probes_are_dear and len(counts) > 1:
       return _modelled_count(self, family, counts)
-    return counts[_bisect(self, family, counts, thirds=self.side_by_side)]
+    return counts[_bisect(self, family, counts, thirds=self.side_by_side, ahead=ahead)]
 
   def _compile_beside(self, plan: plan_lib.Plan) -> bool:
     """Starts a real compile of `plan`, whose probe would only decide whether to compile
@@ -272,6 +276,28 @@ class Planner:
       return plan in self._compiling
     self._compiling[plan] = self._start_compile(plan)
     return True
+
+  def _compile_ahead(self, later: Sequence[plan_lib.Plan], counts: Sequence[int],
+                     offload_bytes: int, bound: plan_lib.Plan,
+                     unresolved: Sequence[plan_lib.Plan]) -> bool:
+    """Starts the compile of the dearest plan cheaper than `bound` (which fits), where that
+    plan is a later family's and this family has one round left (`unresolved`): it is the
+    choice if nothing cheaper fits, and compiled now, beside this family's last probe and
+    the later families' own, it saves the rounds before it (the README job: 4 probes
+    after its failed compile, not 5; the compile started one round sooner)."""
+    if self._start_compile is None or self.probes_are_dear:
+      return False
+    limit = self.cost(bound, offload_bytes)
+    candidates = [p for p in list(unresolved) + [dataclasses.replace(f, microbatches=k)
+                                                 for f in later for k in counts]
+                  if self.cost(p, offload_bytes) < limit and program(p) not in self.failed
+                  and not cannot_close(self, p)]
+    if not candidates:
+      return False
+    dearest = max(candidates, key=lambda p: self.cost(p, offload_bytes))
+    if program(dearest) in {program(p) for p in unresolved}:
+      return False  # this family's own: its bisection decides it
+    return self._compile_beside(dearest)
 
   def compiled_fits(self, plan: plan_lib.Plan) -> bool:
     """Waits for the compile started beside the probes: whether `plan` fits (then it is
@@ -309,11 +335,13 @@ class Planner:
       # Its most microbatches is the choice if no fewer fit: where a fitting plan bounds
       # the counts (the likeliest to fit is then just cheaper than it), and no later family
       # offers anything cheaper.
-      decisive = bool(worth) and best is not None and all(
+      decisive = bool(worth) and (best is not None and all(
           self.cost(dataclasses.replace(f, microbatches=counts[0]), offload_bytes)
           >= self.cost(dataclasses.replace(family, microbatches=worth[-1]), offload_bytes)
-          for f in priced[i + 1:])
-      k = self.smallest_count(family, worth, decisive)
+          for f in priced[i + 1:]) or program(  # or its compile was started ahead
+              dataclasses.replace(family, microbatches=worth[-1])) in self._compiling)
+      ahead = functools.partial(self._compile_ahead, priced[i + 1:], counts, offload_bytes)
+      k = self.smallest_count(family, worth, decisive, ahead)
       if k is None:
         continue
       plan = dataclasses.replace(family, microbatches=k)
@@ -361,16 +389,23 @@ def _bisect_below_compiled(planner: Planner, family: plan_lib.Plan, counts: Sequ
   return counts[-1] if planner.compiled_fits(most) else None
 
 
-def _bisect(planner: Planner, family: plan_lib.Plan, counts: Sequence[int], thirds: bool
-            ) -> int:
+def _bisect(planner: Planner, family: plan_lib.Plan, counts: Sequence[int], thirds: bool,
+            ahead: _Ahead | None = None) -> int:
   """The index of the fewest microbatches predicted to fit, the most taken to fit. One
-  probe a round, or with `thirds` two side by side: the thirds of what is left."""
+  probe a round, or with `thirds` two side by side: the thirds of what is left. Once one
+  round of two is left, `ahead` may start a later family's compile: then one at a time."""
   at = lambda i: dataclasses.replace(family, microbatches=counts[i])  # noqa: E731
   def ok(i):
     return program(at(i)) not in planner.failed and planner.fits(planner.need(at(i)))
-  lo, hi = 0, len(counts) - 1
+  lo, hi, downward = 0, len(counts) - 1, False
   while lo < hi:
-    mid = (lo + hi) // 2
+    if (thirds and ahead is not None and hi - lo <= 3 and hi < len(counts) - 1 and ahead(
+        at(hi), [at(i) for i in range(lo, hi) if program(at(i)) not in planner.failed])):
+      # A bound the probes found (the family's top says little of where the answer is):
+      # the compile started ahead is the choice if none of these fits, as is likeliest.
+      # From the top down, one at a time: the first that does not fit ends the search.
+      thirds, downward = False, True
+    mid = hi - 1 if downward else (lo + hi) // 2
     if thirds and hi - lo >= 2 and not _started(planner, at(mid)):
       a, b = lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3
       planner.prefetch([at(a), at(b)])
