@@ -426,12 +426,12 @@ def _next_likely_fails(planner: Planner, family: plan_lib.Plan, counts: Sequence
   started ahead of it would only be beaten (and contend with the compile that follows)."""
   if hi <= 0 or hi >= len(counts) - 1:
     return False  # the top alone says little of where the answer is
+  k0, k1 = counts[hi], counts[-1]
   # pylint: disable-next=protected-access  (the planner's own figures)
-  figures = [planner._need.get(program(dataclasses.replace(family, microbatches=k)))
-             for k in (counts[hi], counts[-1])]
-  if None in figures:
+  n0, n1 = (planner._need.get(program(dataclasses.replace(family, microbatches=k)))
+            for k in (k0, k1))
+  if n0 is None or n1 is None:
     return False
-  (k0, n0), (k1, n1) = zip((counts[hi], counts[-1]), figures)
   per = max(0.0, (n0 - n1) / (1 / k0 - 1 / k1))
   return not planner.fits(int(n1 - per / k1 + per / counts[hi - 1]))
 
