@@ -176,8 +176,8 @@ class Fit:
                                         and jax.process_index() == 0)
     self._out_of_time: budget_lib.OutOfTime | None = None
     self._first = len(ledger.attempts)
-    # real compiles started beside the probes (planner: decisive plans), by program
-    # program -> its compile started beside the probes, waited for and paid for once
+    # program -> its compile started beside the probes (the planner's decisive plans),
+    # waited for and paid for once
     self._beside: dict[plan_lib.Plan, Callable[[], compile_lib.Trial]] = {}
 
   # -- the fit ---------------------------------------------------------------------------
