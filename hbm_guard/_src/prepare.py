@@ -23,6 +23,7 @@ import time
 from absl import logging
 
 from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import planner as planner_lib
@@ -58,11 +59,13 @@ class Preparation:
 
   def _run(self, facts: compile_lib.TraceFacts, started: float) -> None:
     try:
+      step_facts = None  # made once, where first needed
       if self.at_once:
-        self._quick_opening(facts, started)
+        step_facts = self._step_facts(facts)
+        self._quick_opening(step_facts, started)
       wait = AFTER_SECONDS - (time.perf_counter() - started)
       if not self._stopped.wait(min(max(0.0, wait), threading.TIMEOUT_MAX)):
-        for what, job in self._jobs(facts, started):
+        for what, job in self._jobs(step_facts or self._step_facts(facts), started):
           if self._stopped.is_set():
             break
           job()
@@ -72,14 +75,13 @@ class Preparation:
     if self._closed.is_set():
       self.backend.unstage()  # the fit ended while the last job ran: nothing will read it
 
-  def _quick_opening(self, facts: compile_lib.TraceFacts, started: float) -> None:
+  def _quick_opening(self, step_facts: ladder_lib.StepFacts, started: float) -> None:
     """The probes a quick failure reads first, each lowered only if it would be ready
     before the compile counts as slow (so a slow one's own opening is not delayed)."""
     if time.perf_counter() - started >= AFTER_SECONDS:
       return
     o = self.options
-    probes, _ = planner_lib.opening(o.ladder, self.plan, self._step_facts(facts), o.max_class,
-                                    dear=False)
+    probes, _ = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear=False)
     last = 0.0
     for p in probes:
       t0 = time.perf_counter()
@@ -89,12 +91,11 @@ class Preparation:
       self.done.append("lowered " + p.describe())
       last = time.perf_counter() - t0
 
-  def _step_facts(self, facts: compile_lib.TraceFacts):
+  def _step_facts(self, facts: compile_lib.TraceFacts) -> ladder_lib.StepFacts:
     trial = compile_lib.Trial(self.plan, compile_lib.Outcome.OOM, 0.0, facts)  # facts only
     return self.backend.step_facts(self.args, self.kwargs, trial)
 
-  def _jobs(self, facts: compile_lib.TraceFacts, started: float):
-    step_facts = self._step_facts(facts)
+  def _jobs(self, step_facts: ladder_lib.StepFacts, started: float):
     dear = time.perf_counter() - started >= planner_lib.DEAR_COMPILE_SECONDS
     o, args, kwargs = self.options, self.args, self.kwargs
     probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear)

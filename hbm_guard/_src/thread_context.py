@@ -3,9 +3,8 @@
 jax keeps `jax.set_mesh`, `jax.enable_x64`, `jax.default_matmul_precision` and the like per
 thread, and Python's context variables start empty in a new thread. A thread that lowers
 probes or prices plans while the fit's compile runs must trace the step as the caller's
-thread would: under Explicit mesh axes a trace without the caller's mesh types the step
-differently (its refusal of a resharding was missed, and the fit then probed a plan the
-step's own types reject).
+thread would: a step written for `jax.set_mesh` (a reshard to a bare PartitionSpec) failed
+to trace there, and what the thread was preparing was lost.
 """
 
 from __future__ import annotations
