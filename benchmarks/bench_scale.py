@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hbm_guard
 from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import targets as targets_lib
 from hbm_guard.integrations import flax as hg_flax
 
@@ -145,10 +146,14 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
   except hbm_guard.HbmGuardError as e:
     error = str(e).split(" (https://")[0]
   seconds = time.perf_counter() - t0
-  probes = sum(len(a.planning.probes) for a in g.attempts if a.planning is not None)
-  probe_s = sum(p.seconds for a in g.attempts if a.planning for p in a.planning.probes)
-  row = {"params": n, "compiles": len(g.attempts), "probes": probes,
-         "probe_seconds": probe_s, "fit_seconds": seconds,
+  made = [p for a in g.attempts if a.planning is not None for p in a.planning.probes]
+  probes = [p for p in made if not p.compiled]
+  beside = [p for p in made if p.compiled]  # compiles at the capacity beside the probes
+  row = {"params": n, "compiles": len(g.attempts), "probes": len(probes),
+         "probe_seconds": sum(p.seconds for p in probes),
+         "beside_failed": sum(1 for p in beside
+                              if plan is None or p.plan != planner_lib.program(plan)),
+         "fit_seconds": seconds,
          "plan": plan.describe() if plan else None, "error": error}
   if plan is not None:  # one compile of the plan found, in the same process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
@@ -199,8 +204,10 @@ def main():
   s = Size(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Size)})
   print(f"jax {jax.__version__}, {s}, target {a.target}", flush=True)
   r = fit(s, a.target, a.max_fit_seconds, a.unmodified, a.own_shardings, not a.no_drop_in)
-  print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles, "
-        f"{r['probes']} probes ({r['probe_seconds']:.0f} s); fit {r['fit_seconds']:.0f} s; "
+  print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles "
+        f"(+{r['beside_failed']} that failed beside them, in place of probes), "
+        f"{r['probes']} probes "
+        f"({r['probe_seconds']:.0f} s); fit {r['fit_seconds']:.0f} s; "
         f"plan {r['plan']}; {r.get('error') or ''}", flush=True)
   if "ratio" in r:
     print(f"one compile of that plan: {r['one_compile_seconds']:.0f} s; fit / compile = "

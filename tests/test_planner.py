@@ -397,3 +397,102 @@ def test_no_compile_is_started_ahead_where_the_bounding_family_is_flat():
   choice, _ = _readme_planner(figures, lambda p: True, events, events, capacity=40 * MiB)
   assert choice.plan == hbm_guard.Plan(microbatches=2)
   assert not [e for e in events if isinstance(e, tuple)]  # nothing compiled beside
+
+
+GiB = 2**30
+# 368M parameters on v5e:1x1 (#17), real figures: the plain step failed at 81.19 GiB
+# (undonated, unsplit); the donated families' compiles need these, in GiB.
+_LM_NEEDS = {None: {1: 76.0, 2: 62.0, 4: 33.0, 8: 18.8, 16: 11.6},
+             "dots": {1: 19.87, 2: 15.62, 4: 11.0, 8: 8.6, 16: 7.5}}
+_LM_FLOPS = {None: 3.803e13, "dots": 3.973e13}
+
+
+def _racing_planner(needs, events, capacity=15.75):
+  """A planner whose probes are dear (an 18-s failed compile) and whose compiles run side
+  by side: it races compiles at the capacity."""
+  def start_compile(plan):
+    events.append(("start", plan.remat_policy, plan.microbatches))
+    def read():
+      events.append(("read", plan.remat_policy, plan.microbatches))
+      need = int(needs[plan.remat_policy][plan.microbatches] * GiB)
+      return need, 15.0, need <= capacity * GiB
+    read.done = lambda: ("read", plan.remat_policy, plan.microbatches) in events
+    return read
+  planner = planner_lib.Planner(
+      lambda p: 1 / 0, lambda p: _LM_FLOPS[p.remat_policy], capacity=int(capacity * GiB),
+      scale=1.3, side_by_side=True, start_compile=start_compile,
+      start_probes=lambda plans: 1 / 0)  # a probe here fails the test
+  planner.state_bytes = int(4.1 * GiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=int(81.19 * GiB), fits=False, seconds=18.0)
+  donated = hbm_guard.Plan(donate_argnums=(0,))
+  families = [donated, dataclasses.replace(donated, remat_policy="dots")]
+  return planner, families
+
+
+def test_where_probes_are_dear_the_cheapest_candidates_are_compiled_not_probed():
+  # The plain family's 1, 2 and 4 microbatches cannot fit by the failed compile's figure
+  # (81.19 GiB less the state twice, split four ways, is still 22 GiB); the cheapest left
+  # are remat at 1 and 2 (4.5% more flops, +1% a microbatch): both compiled at once, the
+  # dearer first. The cheaper fails; the dearer fits and is the choice, no probe made.
+  events = []
+  planner, families = _racing_planner(_LM_NEEDS, events)
+  assert planner.races
+  choice = planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
+  assert choice.plan.remat_policy == "dots" and choice.plan.microbatches == 2
+  assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
+                    ("read", "dots", 2)]
+  assert [p.compiled for p in planner.probes] == [True, True]
+  assert choice.predicted_bytes == int(15.62 * GiB)
+  assert planner_lib.program(choice.plan) in planner.fit_by_compile
+
+
+def test_a_race_goes_on_from_what_its_failures_rule_out():
+  # Remat at 2 fails too (16.2 GiB): the next round is the plain family at 8 (bounded at
+  # 13.2 GiB by the failed compile, so a contender) and remat at 4; no third compile is
+  # started while a cheaper one runs.
+  needs = {None: _LM_NEEDS[None], "dots": {**_LM_NEEDS["dots"], 2: 16.2}}
+  events = []
+  planner, families = _racing_planner(needs, events)
+  choice = planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
+  assert choice.plan.remat_policy == "dots" and choice.plan.microbatches == 4
+  assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
+                    ("read", "dots", 2), ("start", "dots", 4), ("start", None, 8),
+                    ("read", None, 8), ("read", "dots", 4)]
+
+
+def test_a_race_compiles_only_what_its_failures_leave_open_and_ends_with_none():
+  # 7 GiB: the plain family is bounded above it at every count (8.66 GiB at 16). Remat
+  # fails at 1 (19.87 GiB), which bounds 2 at 9.9 and 4 at 7.02: the compile of 2 is not
+  # waited for, but holds a core while it runs, so 8 and 16 are compiled one at a time.
+  events = []
+  planner, families = _racing_planner(_LM_NEEDS, events, capacity=7.0)
+  assert planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True) is None
+  assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
+                    ("start", "dots", 8), ("read", "dots", 8), ("start", "dots", 16),
+                    ("read", "dots", 16)]
+
+
+def test_a_lower_bound_comes_from_the_familys_real_failures():
+  planner, families = _racing_planner(_LM_NEEDS, [])
+  donated, dots = families
+  at = lambda f, k: dataclasses.replace(f, microbatches=k)  # noqa: E731
+  # 4.1 + (81.19 - 8.2) / k: a donated plan aliases at most the state's output
+  assert abs(planner.lower_bound(at(donated, 2)) / GiB - 40.60) < 0.01
+  assert abs(planner.lower_bound(at(donated, 16)) / GiB - 8.66) < 0.01
+  assert planner.lower_bound(at(dots, 2)) == 0.0  # another family: nothing known
+  planner.observe(at(donated, 8), real_bytes=int(18.8 * GiB), fits=False)
+  assert planner.lower_bound(at(donated, 4)) == float("inf")  # fewer split: needs more
+  assert planner.lower_bound(at(donated, 8)) == float("inf")
+  assert planner.lower_bound(at(donated, 16)) < float("inf")
+  # The unsplit program is another: a failed split count says nothing of it
+  assert planner.lower_bound(at(donated, 1)) < float("inf")
+
+
+def test_what_is_lowered_while_a_dear_first_compile_runs_is_what_a_race_starts_with():
+  events = []
+  planner, families = _racing_planner(_LM_NEEDS, events)
+  planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
+  ahead = planner_lib.race_opening(families[1:], [1, 2, 4, 8, 16],
+                                   lambda f: _LM_FLOPS[f.remat_policy], 2, 0)
+  started = [(p, k) for e, p, k in events if e == "start"]
+  assert [(p.remat_policy, p.microbatches) for p in ahead] == started

@@ -310,6 +310,37 @@ def test_a_preparation_lowers_the_opening_probes_then_prices_and_stops_when_told
   assert rec.asked == [] and stopped.done == []
 
 
+class _RacingRecorder(_Recorder):
+  """A backend that can compile beside the probes: a dear failure is raced, not probed."""
+
+  def staged_compile(self, *a):
+    raise AssertionError("a preparation only lowers")
+
+  def stage(self, plan, *a):
+    self.asked.append(("stage", plan.remat_policy, plan.microbatches))
+
+  def flops(self, plan, *a):
+    self.asked.append(("price", plan.remat_policy))
+    return {None: 1e12, "dots_with_no_batch_dims_saveable": 1.05e12}.get(plan.remat_policy,
+                                                                          1.3e12)
+
+
+def test_a_preparation_for_a_race_prices_then_lowers_the_other_families_cheapest():
+  # Where compiles run side by side, a slow failure is raced: the failed plan's own family
+  # waits for its figure (which may rule its counts out), the other families' cheapest
+  # plans do not. They are lowered after the pricing, the dearer first, as a race starts.
+  from hbm_guard._src import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  opts = options_lib.GuardOptions(state_argnums=0, max_class="numerics")
+  rec = _RacingRecorder()
+  prep = prepare_lib.Preparation(rec, rec, opts, "k", (), {}, hbm_guard.Plan(), width=2)
+  prep._run(compile_lib.TraceFacts(), started=time.perf_counter() - 60)  # pylint: disable=protected-access
+  staged = [a for a in rec.asked if a[0] == "stage"]
+  priced = [a for a in rec.asked if a[0] == "price"]
+  assert rec.asked == priced + staged and priced  # no probe of the plain family lowered
+  assert staged == [("stage", "dots_with_no_batch_dims_saveable", 2),
+                    ("stage", "dots_with_no_batch_dims_saveable", 1)]
+
+
 def test_a_preparation_traces_under_the_callers_mesh_jax_config_and_context_variables():
   # a step written for jax.set_mesh (reshard to a bare PartitionSpec) failed to trace in the
   # preparation thread, which has none of the caller's thread-local settings
@@ -383,3 +414,29 @@ def test_while_the_first_compile_runs_the_probes_its_failure_reads_first_are_low
     assert fit(after) == alone  # the same plan, from the same probes read in the same order
     assert staged and staged == read[:len(staged)]  # the first of them, lowered meanwhile
     assert all(lowered.count(d) == 1 for d in read)  # and not lowered again
+
+
+@pytest.mark.real_compiler
+def test_where_probes_are_dear_a_fit_races_compiles_at_the_capacity(v5e_devices, monkeypatch,
+                                                                     tmp_path):
+  # At 368M a probe cost what a failing compile does (12-16 s against 17-18): the fit
+  # compiles its cheapest candidates at the capacity, two at a time, instead of probing.
+  # Made dear here by the threshold; the compiler and its verdicts are real.
+  monkeypatch.setattr(planner_lib, "DEAR_COMPILE_SECONDS", 0.0)
+  monkeypatch.setattr(fit_lib, "_probe_workers", lambda: 2)
+  S = jax.ShapeDtypeStruct  # pylint: disable=invalid-name
+  w = {"a": S((512, 2048), jnp.float32), "b": S((2048, 512), jnp.float32)}
+  batch = {"x": S((4096, 512), jnp.float32), "y": S((4096, 512), jnp.float32)}
+  g = hbm_guard.guarded_jit(_mlp_step, state_argnums=0, target="v5e:1x1", capacity="30MiB",
+                            max_class="numerics", plan_cache=False,
+                            report_dir=str(tmp_path), progress=False)
+  plan = g.fit(w, batch)
+  made = [p for a in g.attempts if a.planning for p in a.planning.probes]
+  assert made and all(p.compiled for p in made)  # compiles, not probes
+  assert [a.outcome for a in g.attempts] == [compile_lib.Outcome.OOM, compile_lib.Outcome.FITS]
+  assert planner_lib.program(plan) in {p.plan for p in made}
+  # what failed beside it, failed by libtpu's own verdict at the capacity
+  assert all(p.need_bytes > 30 * 2**20 for p in made if p.plan != planner_lib.program(plan))
+  # the fitting compile was made once: the climb's attempt is the race's compile
+  assert g.attempts[-1].seconds == next(p.seconds for p in made
+                                        if p.plan == planner_lib.program(plan))

@@ -208,7 +208,7 @@ class Fit:
         return self._compile(p)
       preparations.append(prepare_lib.Preparation(self.backend, self.step, o, self.key,
                                                   self.args, self.kwargs, p,
-                                                  at_once=_probe_workers() > 1))
+                                                  width=_probe_workers()))
       return self._compile(p, preparations[-1])
 
     try:
@@ -299,6 +299,7 @@ class Fit:
     def read():
       t = trial()
       return backend_lib.figure(t), t.seconds, t.outcome is compile_lib.Outcome.FITS
+    read.done = future.done  # a compile a race no longer waits for still holds its core
     return read
 
   def _probe(self, plan: plan_lib.Plan) -> int | None:
@@ -354,7 +355,7 @@ class Fit:
           headroom=o.headroom, start_probes=self._start_probes,
           side_by_side=_probe_workers() > 1 and hasattr(self.backend, "staged_probe"),
           start_compile=(self._start_compile if hasattr(self.backend, "staged_compile")
-                         else None))
+                         else None), width=_probe_workers())
     self._last = (plan, facts)
     self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
     try:

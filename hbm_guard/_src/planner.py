@@ -105,13 +105,15 @@ class Planner:
                                       list[Callable[[], tuple[int | None, float]]]] | None = None,
                side_by_side: bool = False,
                start_compile: Callable[[plan_lib.Plan],
-                                       Callable[[], tuple[int | None, float, bool]]] | None = None):
+                                       Callable[[], tuple[int | None, float, bool]]] | None = None,
+               width: int = 2):
     self._probe, self._flops, self._capacity = probe, flops, capacity
     self._start = start_probes  # probes started at once; each waited for when read
     self.side_by_side = side_by_side and start_probes is not None  # they run in parallel
     # A real compile started beside the probes (decisive plans): read as (figure, s, fits)
     self._start_compile = start_compile if self.side_by_side else None
     self._compiling: dict[plan_lib.Plan, Callable[[], tuple[int | None, float, bool]]] = {}
+    self.width = max(1, width)  # compiles a race keeps running side by side
     self.fit_by_compile: set[plan_lib.Plan] = set()  # plans a real compile here said fit
     self._compiled: set[plan_lib.Plan] = set()  # every plan compiled beside the probes
     self._pending: dict[plan_lib.Plan, Callable[[], tuple[int | None, float]]] = {}
@@ -200,12 +202,7 @@ class Planner:
     family = program(dataclasses.replace(plan, microbatches=1))
     if family not in self._cost:
       self._cost[family] = self._flops(family)
-    base = self._cost[family] or 1.0
-    k = plan.microbatches
-    cost = base * (1 + MICROBATCH_OVERHEAD * (k - 1))
-    if plan.offload_optimizer:
-      cost += 2 * offload_bytes * FLOPS_PER_HOST_BYTE
-    return cost
+    return plan_cost(self._cost[family], plan, offload_bytes)
 
   def fits(self, need: int | None) -> bool:
     if need is None:
@@ -228,6 +225,14 @@ class Planner:
       self._dear = mean >= max(DEAR_PROBE_MIN_SECONDS,
                                DEAR_PROBE_RATIO * max(self.compile_seconds))
     return self._dear
+
+  @property
+  def races(self) -> bool:
+    """Whether candidates are compiled at the capacity, cheapest first, not probed: where
+    a probe costs what a failing compile does (dear probes) and compiles run side by side.
+    A plan that does not fit then costs what its probe would (libtpu's early check fails
+    it), and one that fits is the compile the fit needs, made already."""
+    return self._start_compile is not None and self.probes_are_dear
 
   def figure(self, plan: plan_lib.Plan) -> int | None:
     """A plan's need in probe units: measured if it was, else modelled, else probed."""
@@ -318,11 +323,14 @@ class Planner:
     return plan in self.fit_by_compile
 
   def choose(self, families: Sequence[plan_lib.Plan], counts: Sequence[int],
-             offload_bytes: int) -> Choice | None:
+             offload_bytes: int, *, race: bool = False) -> Choice | None:
     """The cheapest plan predicted to fit, over families priced cheapest first. The likely
     cheapest family's first probes are started before the pricing. A later
     family searches only the counts that would cost less than the best so far: its top
-    probe is then at fewer microbatches (the README job: 6 probes, not 8)."""
+    probe is then at fewer microbatches (the README job: 6 probes, not 8). `race`: where
+    the planner races (`races`), the cheapest that fits, by compiles at the capacity."""
+    if race and self.races:
+      return self._race(families, counts, offload_bytes)
     if families:
       self._prefetch_family(min(families, key=_likely_cost), counts)
     priced = sorted(families, key=lambda f: self.cost(f, offload_bytes))
@@ -357,6 +365,98 @@ class Planner:
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
+
+
+  # -- the race (dear probes, compiles side by side) ----------------------------------------
+
+  def _race(self, families: Sequence[plan_lib.Plan], counts: Sequence[int],
+            offload_bytes: int) -> Choice | None:
+    """The cheapest plan that fits, by compiling the cheapest candidates at the capacity,
+    `width` at a time: the first in cost order whose compile fits is the choice; each that
+    fails rules out what its figure does (need falls with the count). At 368M parameters
+    on v5e:1x1 a failing compile took 12-17 s and a probe 12-16 s: a round of probes to
+    decide what to compile cost as much as compiling the candidates."""
+    price = lambda p: self.cost(p, offload_bytes)  # noqa: E731
+    while True:
+      ranked = sorted(self._contenders(families, counts), key=price)
+      if not ranked:
+        return None
+      first = ranked[0]
+      if program(first) not in self._compiling:
+        # A round: the cheapest, as many as the compiles still running leave room for
+        # (one ruled out as it ran is not waited for, but holds its core), the dearest
+        # first: the likeliest to fit, its longer compile started while the others are
+        # lowered. While the cheapest runs no more are started: at 368M a third compile
+        # beside the one that fit (started as a cheaper one failed) made it take 73 s, not 49.
+        busy = sum(1 for read in self._compiling.values() if not _done(read))
+        for plan in reversed(ranked[:max(1, self.width - busy)]):
+          if program(plan) not in self._compiling and program(plan) not in self._compiled:
+            self._compiling[program(plan)] = self._start_compile(plan)
+      if self.compiled_fits(first):
+        need = self._need.get(program(first)) or 0
+        others = len(self._compiling)
+        return Choice(first, need, price(first),
+                      f"cheapest that fits: compiled at the capacity, {need} bytes, the "
+                      f"cheapest candidate first ({others} dearer still compiling); "
+                      f"cost {price(first):.3g} flops")
+
+  def _contenders(self, families: Sequence[plan_lib.Plan], counts: Sequence[int]
+                  ) -> list[plan_lib.Plan]:
+    """The plans a race may compile: not failed, and not ruled out by a real figure."""
+    out = []
+    for family in families:
+      for k in counts:
+        plan = dataclasses.replace(family, microbatches=k)
+        if (program(plan) not in self.failed and self.lower_bound(plan) <= self._capacity
+            and not cannot_close(self, plan)):
+          out.append(plan)
+    return out
+
+  def lower_bound(self, plan: plan_lib.Plan) -> float:
+    """The least `plan` can need by the real compiles of its family (donation aside):
+    infinite where one failed at as many microbatches or more (split; unsplit is another
+    program), else the state once plus what is left of a figure, divided by the count
+    (donation aliases the state's output at most; splitting divides activations at most).
+    368M: the plain step's 81.19 GiB bounds microbatch(2) at 40.6 (a probe read 62) and
+    microbatch(16) at 8.7 (11.6); the unmodified step's 19.37 bounds microbatch(2) at 9.7
+    (21.06)."""
+    family = lambda p: dataclasses.replace(program(p), microbatches=1)  # noqa: E731
+    bare = lambda p: dataclasses.replace(family(p), donate_argnums=())  # noqa: E731
+    k, state = plan.microbatches, self.state_bytes
+    if any(family(f) == family(plan) and (f.microbatches == k or f.microbatches > k > 1)
+           for f in self.failed):
+      return float("inf")
+    bound = 0.0
+    for failed, need in self._real.items():
+      if bare(failed) == bare(plan):
+        bound = max(bound, state + max(0, need - 2 * state) * failed.microbatches / k)
+    return bound
+
+def _done(read: Callable[[], Any]) -> bool:
+  """Whether a compile started beside the probes has finished (unknown: taken as done)."""
+  done = getattr(read, "done", None)
+  return True if done is None else bool(done())
+
+
+def plan_cost(family_flops: float | None, plan: plan_lib.Plan, offload_bytes: int) -> float:
+  """A plan's compute: its family's flops, +1% per extra microbatch, plus the host
+  transfers of offload."""
+  cost = (family_flops or 1.0) * (1 + MICROBATCH_OVERHEAD * (plan.microbatches - 1))
+  if plan.offload_optimizer:
+    cost += 2 * offload_bytes * FLOPS_PER_HOST_BYTE
+  return cost
+
+
+def race_opening(others: Sequence[plan_lib.Plan], counts: Sequence[int],
+                 family_flops: Callable[[plan_lib.Plan], float | None], width: int,
+                 offload_bytes: int) -> list[plan_lib.Plan]:
+  """The compiles a race would start first that a failure's figure does not bear on: the
+  cheapest `width` plans of the families other than the failed plan's own, dearest first
+  (the order the race starts them). Lowered while that compile runs, they are ready."""
+  plans = [dataclasses.replace(f, microbatches=k) for f in others for k in counts]
+  price = lambda p: plan_cost(family_flops(dataclasses.replace(p, microbatches=1)), p,  # noqa: E731
+                              offload_bytes)
+  return list(reversed(sorted(plans, key=price)[:width]))
 
 
 def cannot_close(planner: Planner, plan: plan_lib.Plan) -> str | None:
@@ -640,8 +740,9 @@ def next_plan(planner: Planner, rungs: Sequence[ladder_lib.Rung], plan: plan_lib
     plan = dataclasses.replace(plan, shard_batch=False)  # back to the features split
   fams, counts, skips = families(rungs, plan, facts, max_class,
                                  planner.data_parallel_failed)
-  choice = planner.choose(fams, counts, facts.offload_bytes)
-  if choice is None and planner.scale > 1.0 and not planner.optimistic_tried:
+  choice = planner.choose(fams, counts, facts.offload_bytes, race=True)
+  if (choice is None and planner.scale > 1.0 and not planner.optimistic_tried
+      and not planner.races):
     planner.optimistic_tried = True  # once: a miss here means the margin is real
     # Probes run low, but not always by the margin assumed: before XLA's flags (a last
     # resort), compile the cheapest plan the probe's own figure says fits.

@@ -38,10 +38,11 @@ class Preparation:
   `stop` it as the compile ends, `close` it with the fit."""
 
   def __init__(self, backend, step: steps_lib.StepBuilder, options: options_lib.GuardOptions,
-               key, args, kwargs, plan: plan_lib.Plan, at_once: bool = False):
+               key, args, kwargs, plan: plan_lib.Plan, width: int = 1):
     self.backend, self.step, self.options, self.plan = backend, step, options, plan
     self.key, self.args, self.kwargs = key, args, kwargs
-    self.at_once = at_once  # the cheap probes' opening right away (probes side by side)
+    self.width = width  # compiles side by side (probes, a race's compiles)
+    self.at_once = width > 1  # the cheap probes' opening right away (probes side by side)
     self._stopped, self._closed = threading.Event(), threading.Event()
     self.done: list[str] = []  # what it made, described (for tests and the log)
 
@@ -100,8 +101,18 @@ class Preparation:
     o, args, kwargs = self.options, self.args, self.kwargs
     probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear)
     n = len(self.backend.devices())
-    for p in probes:
+    # Dear probes, compiles side by side: the planner races compiles, not probes (the
+    # failed plan's own family waits for its figure; the others' cheapest do not).
+    race = dear and self.at_once and hasattr(self.backend, "staged_compile")
+    for p in [] if race else probes:
       yield "lowered " + p.describe(), functools.partial(self.backend.stage, p, self.key,
                                                           args, kwargs)
     for f in others:
       yield "priced " + f.describe(), functools.partial(self.step.flops, f, args, kwargs, n)
+    if race:
+      _, counts, _ = planner_lib.families(o.ladder, self.plan, step_facts, o.max_class)
+      flops = lambda f: self.step.flops(f, args, kwargs, n)  # noqa: E731  (priced above)
+      for p in planner_lib.race_opening(others, counts, flops, self.width,
+                                        step_facts.offload_bytes):
+        yield "lowered " + p.describe(), functools.partial(self.backend.stage, p, self.key,
+                                                            args, kwargs)
