@@ -461,15 +461,15 @@ def test_a_race_goes_on_from_what_its_failures_rule_out():
 
 
 def test_a_race_compiles_only_what_its_failures_leave_open_and_ends_with_none():
-  # 7 GiB: the plain family is bounded above it at every count (8.66 GiB at 16). Remat
-  # fails at 1 (19.87 GiB), which bounds 2 at 9.9 and 4 at 7.02: the compile of 2 is not
-  # waited for, but holds a core while it runs, so 8 and 16 are compiled one at a time.
+  # 6 GiB: the plain family is bounded more than BOUND_SLACK over it at every count (8.66
+  # GiB at 16). Remat fails at 1 (19.87 GiB), which bounds 2 at 9.9: the compile of 2 is
+  # not waited for, but holds a core while it runs, so 4, 8 and 16 follow one at a time.
   events = []
-  planner, families = _racing_planner(_LM_NEEDS, events, capacity=7.0)
+  planner, families = _racing_planner(_LM_NEEDS, events, capacity=6.0)
   assert planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True) is None
   assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
-                    ("start", "dots", 8), ("read", "dots", 8), ("start", "dots", 16),
-                    ("read", "dots", 16)]
+                    ("start", "dots", 4), ("read", "dots", 4), ("start", "dots", 8),
+                    ("read", "dots", 8), ("start", "dots", 16), ("read", "dots", 16)]
 
 
 def test_a_lower_bound_comes_from_the_familys_real_failures():
@@ -496,3 +496,19 @@ def test_what_is_lowered_while_a_dear_first_compile_runs_is_what_a_race_starts_w
                                    lambda f: _LM_FLOPS[f.remat_policy], 2, 0)
   started = [(p, k) for e, p, k in events if e == "start"]
   assert [(p.remat_policy, p.microbatches) for p in ahead] == started
+
+
+def test_a_race_keeps_a_plan_bounded_just_over_the_capacity():
+  # The README job: the plain step failed at 682.37 MiB (state 36.9), which "bounds"
+  # microbatch(8) at 113 MiB, and that plan fits in 96: a bound is believed only
+  # BOUND_SLACK over the capacity, so the race may still compile it.
+  planner = planner_lib.Planner(lambda p: 1 / 0, lambda p: 1e9, capacity=96 * MiB,
+                                side_by_side=True, start_probes=lambda plans: 1 / 0,
+                                start_compile=lambda plan: 1 / 0)
+  planner.state_bytes = int(36.9 * MiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=18.0)
+  donated = hbm_guard.Plan(donate_argnums=(0,))
+  at = lambda k: dataclasses.replace(donated, microbatches=k)  # noqa: E731
+  assert planner.lower_bound(at(8)) > 96 * MiB
+  kept = planner._contenders([donated], [2, 4, 8, 16])  # pylint: disable=protected-access
+  assert kept == [at(8), at(16)]  # 2 and 4 are bounded at 341 and 189 MiB

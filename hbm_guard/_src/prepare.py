@@ -69,8 +69,11 @@ class Preparation:
         for what, job in self._jobs(step_facts or self._step_facts(facts), started):
           if self._stopped.is_set():
             break
+          t0 = time.perf_counter()
           job()
           self.done.append(what)
+          logging.debug("hbm_guard: prepared: %s (%.1f s, %.1f s into the compile)", what,
+                        time.perf_counter() - t0, time.perf_counter() - started)
     except Exception as e:  # pylint: disable=broad-except  (preparation, never the compile)
       logging.warning("hbm_guard: preparing the fallback failed: %r", e)
     if self._closed.is_set():
@@ -90,6 +93,8 @@ class Preparation:
         return
       self.backend.stage(p, self.key, self.args, self.kwargs)
       self.done.append("lowered " + p.describe())
+      logging.debug("hbm_guard: prepared: lowered %s (%.1f s)", p.describe(),
+                    time.perf_counter() - t0)
       last = time.perf_counter() - t0
 
   def _step_facts(self, facts: compile_lib.TraceFacts) -> ladder_lib.StepFacts:
