@@ -512,3 +512,47 @@ def test_a_race_keeps_a_plan_bounded_just_over_the_capacity():
   assert planner.lower_bound(at(8)) > 96 * MiB
   kept = planner._contenders([donated], [2, 4, 8, 16])  # pylint: disable=protected-access
   assert kept == [at(8), at(16)]  # 2 and 4 are bounded at 341 and 189 MiB
+
+
+def test_a_family_that_cannot_close_the_gap_is_not_probed_ahead():
+  # The 368M step at batch 64, flags and donation only: the failed compile's 38.61 GiB
+  # less the state, halved, is over 15.75 GiB. Pricing a higher class for the report
+  # started a dear probe of it anyway (2 s of lowering, a compile never read).
+  started = []
+  planner = planner_lib.Planner(
+      lambda p: 1 / 0, lambda p: 1e12, capacity=int(15.75 * GiB), side_by_side=True,
+      start_probes=lambda plans: started.extend(plans) or [lambda: (None, 1.0)] * len(plans))
+  planner.state_bytes = int(4.1 * GiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=int(38.61 * GiB), fits=False, seconds=18.0)
+  donated = hbm_guard.Plan(donate_argnums=(0,))
+  assert planner.choose([donated], [1], offload_bytes=0) is None
+  assert not started
+
+
+def test_where_the_planner_races_the_xla_flags_are_compiled_not_probed():
+  # The 368M step with only flags and donation (batch 16): a probe of every flag at once
+  # took 68 s and the compile after it 70 s. Racing, `donate` is compiled beside (and
+  # fails, 32.35 GiB), then the flags plan is the climb's next compile, not probed; once
+  # that compile failed, the flags are passed over and nothing is probed.
+  from hbm_guard._src import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  facts = dataclasses.replace(_flags_only_facts(), state_bytes=int(4.1 * GiB))
+  raced = []
+  def start_compile(plan):
+    raced.append(plan.describe())
+    return lambda: (int(32.35 * GiB), 12.0, False)
+  planner = planner_lib.Planner(
+      lambda p: 1 / 0, lambda plan: 1e12, capacity=int(15.75 * GiB), side_by_side=True,
+      start_probes=lambda plans: 1 / 0, start_compile=start_compile)
+  real = int(19.52 * GiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=real, fits=False, seconds=30.0)
+  rec = compile_lib.budget_record({"peak": real, "argument": 4 * GiB, "output": 0,
+                                   "alias": 0, "temp": real - 4 * GiB, "generated_code": 0},
+                                  int(15.75 * GiB), "fake")
+  ladder = ladder_lib.load_ladder()
+  nxt, _, _ = planner_lib.next_plan(planner, ladder, hbm_guard.Plan(), facts, rec, "numerics")
+  assert planner.races and len(nxt.compiler_options) > 1 and nxt.donate_argnums == (0,)
+  planner.observe(nxt, real_bytes=int(16.5 * GiB), fits=False, seconds=60.0)
+  after, skips, _ = planner_lib.next_plan(planner, ladder, nxt, facts, rec, "numerics")
+  assert after is None or after.compiler_options != nxt.compiler_options
+  assert raced == ["donate"] and all(p.compiled for p in planner.probes)

@@ -11,6 +11,8 @@ or where probes are dear by two figures of `F + P / k`; a family's first two pro
 started together, beside the pricing. Compute cost (the step's flop count, +1% per extra
 microbatch, plus the host transfers of offload) orders the families; the cheapest plan
 predicted to fit is compiled for real, and every real figure recalibrates the probe's scale.
+Where probes are dear and compiles run side by side, nothing is probed: the cheapest
+candidates are compiled at the capacity, two at a time (a race; `Planner._race`).
 """
 
 from __future__ import annotations
@@ -170,8 +172,9 @@ class Planner:
     """The first figures a family's search reads, started together (and before the
     pricing): its top count, and where probes are dear the other count its model needs,
     else the bisection's first midpoint."""
-    if not counts or program(dataclasses.replace(family, microbatches=counts[-1])) in self.failed:
-      return
+    most = dataclasses.replace(family, microbatches=counts[-1]) if counts else None
+    if most is None or program(most) in self.failed or cannot_close(self, most):
+      return  # (the 368M step's exhaustion: a 2-s lowering and a dear probe, never read)
     self.prefetch(first_probes(family, counts, self.probes_are_dear,
                                bool(self._anchors(family, counts[-1]))))
 
@@ -695,6 +698,10 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
 
 
 def _probe_may_fit(planner: Planner, plan: plan_lib.Plan) -> bool:
+  """Whether a probe leaves `plan` worth a compile; where the planner races, no probe is
+  made (it would cost what the compile does: 68 s against 70 for the 368M step's flags)."""
+  if planner.races:
+    return program(plan) not in planner.failed
   need = planner.need(plan)
   return need is None or need <= planner._capacity  # pylint: disable=protected-access
 
@@ -728,7 +735,9 @@ def _strongest_flags_first(planner: Planner, rest, first: plan_lib.Plan, facts, 
   why = cannot_close(planner, strongest)
   if why is None and _probe_may_fit(planner, strongest):
     return strongest, []
-  why = why or (f"probed with every XLA flag at once: {strongest.describe()} needs "
+  why = why or (f"compiled with every XLA flag at once: {strongest.describe()} does not fit"
+                if program(strongest) in planner.failed else
+                f"probed with every XLA flag at once: {strongest.describe()} needs "
                 f"{planner.need(strongest)} bytes of {planner._capacity}")  # pylint: disable=protected-access
   skips = [ladder_lib.Skip(p.rungs[-1] if p.rungs else p.describe(), why,
                            ladder_lib.SkipKind.CANNOT_CLOSE_GAP) for p in chain]
