@@ -149,3 +149,12 @@ def test_the_page_renders_in_headless_chromium(reports, tmp_path, status):
   png = shot.read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a page, not a blank
   shutil.copy(shot, f"/tmp/hbm_guard_page_{status}.png")
+
+
+def test_the_page_tells_a_compile_made_in_place_of_a_probe_from_a_probe():
+  from hbm_guard._src import report_html  # pylint: disable=g-import-not-at-top
+  page = report_html.render({"status": "fits", "attempts": [{"number": 2, "planning": {
+      "probes": [{"plan": "donate", "need_bytes": 2**30, "compiled": True},
+                 {"plan": "donate + microbatch(2)", "need_bytes": 2**29}]}}]})
+  assert "compiled at the capacity donate: 1.00 GiB" in page
+  assert "probe donate + microbatch(2): 512.00 MiB" in page
