@@ -212,24 +212,7 @@ class Fit:
       return self._compile(p, preparations[-1])
 
     try:
-      try:
-        result = climb_lib.climb(
-            try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
-            auto_fallback=o.auto_fallback,
-            step_facts=lambda t: self.backend.step_facts(self.args, self.kwargs, t),
-            first_number=len(self.ledger.attempts) + 1,
-            signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
-            on_attempt=self.ledger.record,
-            plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
-      except budget_lib.OutOfTime as e:  # a compile the budget could not pay for
-        self._out_of_time = e
-      finally:
-        for preparation in preparations:
-          preparation.close()
-        getattr(self.backend, "unstage", lambda: None)()
-        if self._pool is not None:  # a probe still running is not waited for
-          self._pool.shutdown(wait=False, cancel_futures=True)
-          self._pool = None
+      result = self._climb(try_plan, start, preparations)
       if self._out_of_time is not None:
         self._stop_for_time()  # nothing fit in time: not remembered as exhausted
       if cache_key is not None:
@@ -242,6 +225,29 @@ class Fit:
       return result
     finally:  # the fit is over (its report priced): nothing left to price
       self.step.saw_traced(None, None, None, None)
+
+  def _climb(self, try_plan, start: plan_lib.Plan, preparations) -> climb_lib.Result | None:
+    """The climb itself; what ran beside it is let go however it ends."""
+    o = self.options
+    try:
+      return climb_lib.climb(
+          try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
+          auto_fallback=o.auto_fallback,
+          step_facts=lambda t: self.backend.step_facts(self.args, self.kwargs, t),
+          first_number=len(self.ledger.attempts) + 1,
+          signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
+          on_attempt=self.ledger.record,
+          plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
+    except budget_lib.OutOfTime as e:  # a compile the budget could not pay for
+      self._out_of_time = e
+      return None
+    finally:
+      for preparation in preparations:
+        preparation.close()
+      getattr(self.backend, "unstage", lambda: None)()
+      if self._pool is not None:  # a probe still running is not waited for
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
 
   def _from_cache(self, cache_key: str, parts: dict, start: plan_lib.Plan) -> plan_lib.Plan:
     cached = self.cache.get(cache_key,

@@ -375,7 +375,6 @@ class Planner:
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
 
-
   # -- the race (dear probes, compiles side by side) ----------------------------------------
 
   def _race(self, families: Sequence[plan_lib.Plan], counts: Sequence[int],
@@ -403,10 +402,9 @@ class Planner:
             self._compiling[program(plan)] = self._start_compile(plan)
       if self.compiled_fits(first):
         need = self._need.get(program(first)) or 0
-        others = len(self._compiling)
         return Choice(first, need, price(first),
                       f"cheapest that fits: compiled at the capacity, {need} bytes, the "
-                      f"cheapest candidate first ({others} dearer still compiling); "
+                      f"cheapest candidates compiled first, two at a time; "
                       f"cost {price(first):.3g} flops")
 
   def _contenders(self, families: Sequence[plan_lib.Plan], counts: Sequence[int]
@@ -441,6 +439,7 @@ class Planner:
       if bare(failed) == bare(plan):
         bound = max(bound, state + max(0, need - 2 * state) * failed.microbatches / k)
     return bound
+
 
 def _done(read: Callable[[], Any]) -> bool:
   """Whether a compile started beside the probes has finished (unknown: taken as done)."""
