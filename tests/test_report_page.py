@@ -158,3 +158,10 @@ def test_the_page_tells_a_compile_made_in_place_of_a_probe_from_a_probe():
                  {"plan": "donate + microbatch(2)", "need_bytes": 2**29}]}}]})
   assert "compiled at the capacity donate: 1.00 GiB" in page
   assert "probe donate + microbatch(2): 512.00 MiB" in page
+  from hbm_guard._src import report as report_lib  # pylint: disable=g-import-not-at-top
+  text = report_lib.render({"function": "step", "status": "fits", "attempts": [{
+      "number": 2, "described": "donate", "outcome": "fits", "seconds": 1.0, "planning": {
+          "probes": [{"plan": "donate", "need_bytes": 2**30, "seconds": 9.0, "compiled": True},
+                     {"plan": "donate + microbatch(2)", "need_bytes": 2**29, "seconds": 2.0}]}}]})
+  assert "compiled at the capacity donate: needs 1.00 GiB (9.0s)" in text
+  assert "probe donate + microbatch(2): needs 512.00 MiB (2.0s)" in text

@@ -263,7 +263,8 @@ def render(data: dict[str, Any]) -> str:
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
     planning = a.get("planning") or {}
     for pr in planning.get("probes", ()):
-      lines.append(f"      probe {pr['plan']}: needs {fmt(pr['need_bytes'])} ({pr['seconds']}s)")
+      what = "compiled at the capacity" if pr.get("compiled") else "probe"
+      lines.append(f"      {what} {pr['plan']}: needs {fmt(pr['need_bytes'])} ({pr['seconds']}s)")
     if planning.get("why"):
       lines.append(f"      next: {planning.get('chosen') or 'none'} ({planning['why']})")
   if data.get("final_plan"):
