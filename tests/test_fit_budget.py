@@ -63,3 +63,19 @@ def test_progress_is_on_stderr_once_a_step_does_not_fit(tmp_path, capsys):
                                 progress=False, report_dir=str(tmp_path))
   quiet(jnp.array(W), X)
   assert "hbm_guard" not in capsys.readouterr().err
+
+
+def test_waiting_for_a_compile_beside_the_fit_stops_at_the_budget():
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  never: concurrent.futures.Future = concurrent.futures.Future()
+  b = budget_lib.Budget(limit=0.2)
+  b.record(budget_lib.Spend.COMPILE, 0.05)
+  t0 = time.perf_counter()
+  with pytest.raises(budget_lib.OutOfTime) as e:
+    b.wait(never, budget_lib.Spend.COMPILE)  # a compile that would run past the budget
+  assert 0.1 < time.perf_counter() - t0 < 5 and e.value.kind is budget_lib.Spend.COMPILE
+  done: concurrent.futures.Future = concurrent.futures.Future()
+  done.set_result("figure")
+  assert b.wait(done, budget_lib.Spend.PROBE) == "figure"  # finished: read even when late
+  assert budget_lib.Budget(limit=None).wait(done, budget_lib.Spend.PROBE) == "figure"

@@ -440,3 +440,26 @@ def test_where_probes_are_dear_a_fit_races_compiles_at_the_capacity(v5e_devices,
   # the fitting compile was made once: the climb's attempt is the race's compile
   assert g.attempts[-1].seconds == next(p.seconds for p in made
                                         if p.plan == planner_lib.program(plan))
+
+
+@pytest.mark.real_compiler
+def test_a_race_stops_waiting_at_the_time_budget(v5e_devices, monkeypatch, tmp_path):
+  # A compile of the race can run far past its estimate (the dearest compile so far: a
+  # failed one); the fit stops waiting for it at max_fit_seconds and says so.
+  monkeypatch.setattr(planner_lib, "DEAR_COMPILE_SECONDS", 0.0)
+  monkeypatch.setattr(fit_lib, "_probe_workers", lambda: 2)
+  staged_compile = backend_lib.TargetBackend.staged_compile
+  def slow(self, *a):
+    run = staged_compile(self, *a)
+    return lambda: time.sleep(20) or run()  # the real compile, 20 s later
+  monkeypatch.setattr(backend_lib.TargetBackend, "staged_compile", slow)
+  S = jax.ShapeDtypeStruct  # pylint: disable=invalid-name
+  w = {"a": S((512, 2048), jnp.float32), "b": S((2048, 512), jnp.float32)}
+  batch = {"x": S((4096, 512), jnp.float32), "y": S((4096, 512), jnp.float32)}
+  g = hbm_guard.guarded_jit(_mlp_step, state_argnums=0, target="v5e:1x1", capacity="30MiB",
+                            max_class="numerics", plan_cache=False, max_fit_seconds=8.0,
+                            report_dir=str(tmp_path), progress=False)
+  t0 = time.perf_counter()
+  with pytest.raises(hbm_guard.FitTimeBudgetError, match="max_fit_seconds"):
+    g.fit(w, batch)
+  assert time.perf_counter() - t0 < 15  # not the 20 s the race's compiles take

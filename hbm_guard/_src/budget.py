@@ -8,11 +8,12 @@ step has not fit, each compile and probe is a line on stderr, without configurin
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from hbm_guard._src import diagnose as diagnose_lib
 
@@ -54,6 +55,18 @@ class Budget:
     estimate = self.estimate(kind)
     if self.elapsed + estimate > self.limit:
       raise OutOfTime(kind, estimate)
+
+  def wait(self, future: concurrent.futures.Future, kind: Spend) -> Any:
+    """The result of a compile or probe running beside the fit, waited for no longer than
+    the budget has left: one estimated within it can still run past it (the 368M step's
+    compile that fits took 50-60 s after a failed one of 17), and libtpu cannot be stopped,
+    so the fit stops waiting and leaves it to finish on its own."""
+    if self.limit is None:
+      return future.result()
+    try:
+      return future.result(timeout=max(0.0, self.limit - self.elapsed))
+    except concurrent.futures.TimeoutError:
+      raise OutOfTime(kind, self.estimate(kind)) from None
 
   def record(self, kind: Spend, seconds: float) -> None:
     self.spent[kind].append(seconds)

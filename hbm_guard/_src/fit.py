@@ -303,7 +303,7 @@ class Fit:
     run = self.backend.staged_compile(plan, self.key, self.args, self.kwargs)
     future = self._pool.submit(run)
     trial = self._beside[planner_lib.program(plan)] = functools.cache(
-        lambda: self._paid(plan, future.result()))
+        lambda: self._paid(plan, self.budget.wait(future, budget_lib.Spend.COMPILE)))
     def read():
       t = trial()
       return backend_lib.figure(t), t.seconds, t.outcome is compile_lib.Outcome.FITS
@@ -325,7 +325,7 @@ class Fit:
     return [functools.partial(self._read_probe, p, f) for p, f in zip(plans, futures)]
 
   def _read_probe(self, plan: plan_lib.Plan, future) -> tuple[int | None, float]:
-    need, seconds = future.result()
+    need, seconds = self.budget.wait(future, budget_lib.Spend.PROBE)
     self.budget.record(budget_lib.Spend.PROBE, seconds)
     self.progress.probed(plan.describe(), need, seconds)
     return need, seconds
