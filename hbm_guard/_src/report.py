@@ -240,6 +240,11 @@ def forms(attempt: dict[str, Any]) -> list[str]:
   return out
 
 
+def made_as(probe: dict[str, Any]) -> str:
+  """How a planning figure was made: a probe, or a compile at the capacity in its place."""
+  return "compiled at the capacity" if probe.get("compiled") else "probe"
+
+
 def render(data: dict[str, Any]) -> str:
   """A report, for a person."""
   fmt = diagnose_lib.format_bytes
@@ -263,8 +268,8 @@ def render(data: dict[str, Any]) -> str:
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
     planning = a.get("planning") or {}
     for pr in planning.get("probes", ()):
-      what = "compiled at the capacity" if pr.get("compiled") else "probe"
-      lines.append(f"      {what} {pr['plan']}: needs {fmt(pr['need_bytes'])} ({pr['seconds']}s)")
+      lines.append(f"      {made_as(pr)} {pr['plan']}: needs {fmt(pr['need_bytes'])} "
+                   f"({pr['seconds']}s)")
     if planning.get("why"):
       lines.append(f"      next: {planning.get('chosen') or 'none'} ({planning['why']})")
   if data.get("final_plan"):

@@ -138,8 +138,8 @@ def render(data: dict[str, Any]) -> str:
     notes = report_lib.forms(a)
     notes += [f"skipped {s['rung']}: {s['reason']}" for s in a.get("skipped", ())]
     planning = a.get("planning") or {}
-    notes += [f"{'compiled at the capacity' if p.get('compiled') else 'probe'} {p['plan']}: "
-              f"{_fmt(p['need_bytes'])}" for p in planning.get("probes", ())]
+    notes += [f"{report_lib.made_as(p)} {p['plan']}: {_fmt(p['need_bytes'])}"
+              for p in planning.get("probes", ())]
     if planning.get("why"):
       notes.append(f"next: {planning.get('chosen') or 'none'} ({planning['why']})")
     rows.append(f"<tr><td>#{_e(a.get('number'))}</td><td>{_e(a.get('described'))}<div class='muted'>"
