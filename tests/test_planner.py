@@ -556,3 +556,24 @@ def test_where_the_planner_races_the_xla_flags_are_compiled_not_probed():
   after, skips, _ = planner_lib.next_plan(planner, ladder, nxt, facts, rec, "numerics")
   assert after is None or after.compiler_options != nxt.compiler_options
   assert raced == ["donate"] and all(p.compiled for p in planner.probes)
+
+
+def test_a_count_its_familys_failure_bounds_far_over_the_capacity_is_not_probed():
+  # The README job: the plain step failed at 682.37 MiB (state 36.9), which bounds
+  # donate + microbatch(4) at 189 MiB, twice the 96 MiB capacity (its probe read 155):
+  # the bisection takes it not to fit without a probe, as a race would.
+  figures = {64: 61.15, 32: 62.0, 16: 63.0, 8: 67.34, 4: 155.04, 2: 336.5, 1: 657.0}
+  probed = []
+  def probe(plan):
+    probed.append(plan.microbatches)
+    return int(figures[plan.microbatches] * MiB)
+  planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=96 * MiB,
+                                scale=planner_lib.PROBE_SCALE)
+  planner.state_bytes = int(36.9 * MiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=1.8)
+  donated = hbm_guard.Plan(donate_argnums=(0,))
+  assert planner.bounded_out(dataclasses.replace(donated, microbatches=4))
+  assert not planner.bounded_out(dataclasses.replace(donated, microbatches=8))  # 113 MiB
+  choice = planner.choose([donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+  assert choice.plan.microbatches == 8
+  assert probed == [64, 8]  # before: [64, 8, 2, 4]

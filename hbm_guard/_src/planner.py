@@ -162,9 +162,10 @@ class Planner:
 
   def prefetch(self, plans: Sequence[plan_lib.Plan]) -> None:
     """Starts probes of the plans not yet measured, to be read later: beside each other
-    and beside the pricing, where the fit runs probes side by side."""
+    and beside the pricing, where the fit runs probes side by side. A plan a failure
+    bounds out is not probed: nothing would read it."""
     todo = [p for p in dict.fromkeys(program(p) for p in plans)
-            if p not in self._need and p not in self._pending]
+            if p not in self._need and p not in self._pending and not self.bounded_out(p)]
     if todo and self._start is not None:
       self._pending.update(zip(todo, self._start(todo)))
 
@@ -173,7 +174,7 @@ class Planner:
     pricing): its top count, and where probes are dear the other count its model needs,
     else the bisection's first midpoint."""
     most = dataclasses.replace(family, microbatches=counts[-1]) if counts else None
-    if most is None or program(most) in self.failed or cannot_close(self, most):
+    if most is None or self.ruled_out(most):
       return  # (the 368M step's exhaustion: a 2-s lowering and a dear probe, never read)
     self.prefetch(first_probes(family, counts, self.probes_are_dear,
                                bool(self._anchors(family, counts[-1]))))
@@ -269,7 +270,7 @@ class Planner:
     if not counts:
       return None
     most = dataclasses.replace(family, microbatches=counts[-1])
-    if program(most) in self.failed or cannot_close(self, most):
+    if self.ruled_out(most):
       return None
     if decisive and self._compile_beside(most):
       return _bisect_below_compiled(self, family, counts)
@@ -304,8 +305,7 @@ class Planner:
     limit = self.cost(bound, offload_bytes)
     candidates = [p for p in list(unresolved) + [dataclasses.replace(f, microbatches=k)
                                                  for f in later for k in counts]
-                  if self.cost(p, offload_bytes) < limit and program(p) not in self.failed
-                  and not cannot_close(self, p)]
+                  if self.cost(p, offload_bytes) < limit and not self.ruled_out(p)]
     if not candidates:
       return False
     dearest = max(candidates, key=lambda p: self.cost(p, offload_bytes))
@@ -414,11 +414,21 @@ class Planner:
     for family in families:
       for k in counts:
         plan = dataclasses.replace(family, microbatches=k)
-        if (program(plan) not in self.failed
-            and self.lower_bound(plan) <= BOUND_SLACK * self._capacity
-            and not cannot_close(self, plan)):
+        if not self.ruled_out(plan):
           out.append(plan)
     return out
+
+  def ruled_out(self, plan: plan_lib.Plan) -> bool:
+    """Whether real figures say `plan` cannot fit: it failed, a failure of its family
+    bounds it (bounded_out), or one that differs only by flags does (cannot_close)."""
+    return (program(plan) in self.failed or self.bounded_out(plan)
+            or cannot_close(self, plan) is not None)
+
+  def bounded_out(self, plan: plan_lib.Plan) -> bool:
+    """Whether a real failed compile of `plan`'s family bounds it more than BOUND_SLACK
+    over the capacity: then it is not probed (the README job's donate + microbatch(4),
+    bounded at 189 MiB of 96 by its plain step's failure, probed 162)."""
+    return not self.exact and self.lower_bound(plan) > BOUND_SLACK * self._capacity
 
   def lower_bound(self, plan: plan_lib.Plan) -> float:
     """What `plan` needs at least by the real compiles of its family (donation aside):
@@ -505,7 +515,8 @@ def _bisect(planner: Planner, family: plan_lib.Plan, counts: Sequence[int], thir
   round of two is left, `ahead` may start a later family's compile: then one at a time."""
   at = lambda i: dataclasses.replace(family, microbatches=counts[i])  # noqa: E731
   def ok(i):
-    return program(at(i)) not in planner.failed and planner.fits(planner.need(at(i)))
+    return (program(at(i)) not in planner.failed and not planner.bounded_out(at(i))
+            and planner.fits(planner.need(at(i))))
   lo, hi, downward = 0, len(counts) - 1, False
   while lo < hi:
     if (thirds and ahead is not None and hi - lo <= 3 and _next_likely_fails(
@@ -583,7 +594,8 @@ def _modelled_count(planner: Planner, family: plan_lib.Plan, counts: Sequence[in
   for k in counts:
     plan = program(at(k))
     predicted = int((fixed + per / k) / scale)  # in probe units, as the planner keeps them
-    if plan not in planner.failed and k > k0 and predicted * scale <= planner.headroom * planner._capacity:
+    if (plan not in planner.failed and k > k0 and not planner.bounded_out(plan)
+        and predicted * scale <= planner.headroom * planner._capacity):
       planner._predicted[plan] = predicted
       return k
   return None
