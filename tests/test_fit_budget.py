@@ -79,3 +79,30 @@ def test_waiting_for_a_compile_beside_the_fit_stops_at_the_budget():
   done.set_result("figure")
   assert b.wait(done, budget_lib.Spend.PROBE) == "figure"  # finished: read even when late
   assert budget_lib.Budget(limit=None).wait(done, budget_lib.Spend.PROBE) == "figure"
+
+
+def test_the_climbs_own_compile_is_waited_for_no_longer_than_the_budget(tmp_path, monkeypatch):
+  # A compile estimated within the budget (by the first, quick one) that runs past it: the
+  # fit stops at the budget and leaves it to finish on its own, as it does for a compile
+  # beside it (libtpu cannot be stopped). The first compile is never cut short.
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import backend as backend_lib  # pylint: disable=g-import-not-at-top
+  compile_ = backend_lib.LocalBackend.compile
+  started, release = threading.Event(), threading.Event()
+  def slow_after_the_first(self, plan, *args, **kwargs):
+    if plan != hbm_guard.Plan():
+      started.set()
+      release.wait(60)  # a compile far slower than the first
+    return compile_(self, plan, *args, **kwargs)
+  monkeypatch.setattr(backend_lib.LocalBackend, "compile", slow_after_the_first)
+  g = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak(),
+                            search="ladder", max_fit_seconds=6.0, plan_cache=False,
+                            report_dir=str(tmp_path))
+  t0 = time.perf_counter()
+  try:
+    with pytest.raises(hbm_guard.FitTimeBudgetError, match="max_fit_seconds"):
+      g(jnp.array(W), X)
+    assert started.is_set() and time.perf_counter() - t0 < 30
+  finally:
+    release.set()

@@ -48,10 +48,15 @@ class Budget:
     same = self.spent[kind] or (self.spent[Spend.COMPILE] if kind is Spend.PROBE else [])
     return max(same, default=0.0)
 
+  @property
+  def first(self) -> bool:
+    """Nothing spent yet: the next compile is the one any job makes, never refused."""
+    return not any(self.spent.values())
+
   def check(self, kind: Spend) -> None:
     """Raises OutOfTime if the next `kind` cannot finish within the limit."""
-    if self.limit is None or not any(self.spent.values()):
-      return  # the first compile is the one any job makes: never refused
+    if self.limit is None or self.first:
+      return
     estimate = self.estimate(kind)
     if self.elapsed + estimate > self.limit:
       raise OutOfTime(kind, estimate)

@@ -34,6 +34,7 @@ from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import prepare as prepare_lib
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import steps as steps_lib
+from hbm_guard._src import thread_context
 from hbm_guard._src import trace as trace_lib
 
 Status = report_lib.Status
@@ -282,7 +283,13 @@ class Fit:
     if beside is not None:  # started beside the probes: waited for
       return dataclasses.replace(beside(), plan=plan)
     self.budget.check(budget_lib.Spend.COMPILE)
-    trial = self.backend.compile(plan, self.key, self.args, self.kwargs, meanwhile=meanwhile)
+    compile_now = functools.partial(self.backend.compile, plan, self.key, self.args,
+                                    self.kwargs, meanwhile=meanwhile)
+    if self.budget.limit is None or self.budget.first or jax.process_count() > 1:
+      trial = compile_now()  # (hosts compile in step: none stops waiting alone)
+    else:  # estimated within the budget, it may still run past it: waited for no longer
+      trial = self.budget.wait(thread_context.submit(compile_now, "hbm_guard-compile"),
+                               budget_lib.Spend.COMPILE)
     return self._paid(plan, trial)
 
   def _paid(self, plan: plan_lib.Plan, trial: compile_lib.Trial) -> compile_lib.Trial:

@@ -9,8 +9,10 @@ to trace there, and what the thread was preparing was lost.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 import dataclasses
+import threading
 from typing import Any, Callable
 
 import jax
@@ -65,3 +67,19 @@ class Captured:
 def capture() -> Captured:
   """This thread's tracing context, to run a helper thread's work under."""
   return Captured(user_shardings.context_mesh(), _local_config(), contextvars.copy_context())
+
+
+def submit(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
+  """Runs `fn` in a daemon thread under this thread's tracing context: a future of its
+  result, which the caller may stop waiting for (a libtpu compile cannot be stopped; a
+  daemon thread does not hold the process open for it)."""
+  future: concurrent.futures.Future = concurrent.futures.Future()
+  future.set_running_or_notify_cancel()
+  captured = capture()
+  def run():
+    try:
+      future.set_result(captured.run(fn))
+    except BaseException as e:  # pylint: disable=broad-except  (raised again to the caller)
+      future.set_exception(e)
+  threading.Thread(target=run, daemon=True, name=name).start()
+  return future
