@@ -368,6 +368,25 @@ def test_a_preparation_traces_under_the_callers_mesh_jax_config_and_context_vari
   assert jax.sharding.get_mesh().empty and jax.config.jax_default_matmul_precision is None
 
 
+def test_a_helper_thread_traces_under_the_callers_deprecated_with_mesh_block():
+  # The climb's compile waited for within max_fit_seconds runs in a thread of its own
+  # (thread_context.submit): a step constrained by a bare PartitionSpec under `with mesh:`
+  # must trace there as in the caller's thread.
+  import warnings  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import thread_context  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+  def trace():
+    f = lambda x: jax.lax.with_sharding_constraint(x * 2, P("data"))  # noqa: E731
+    return jax.jit(f).trace(jnp.ones((4,))).jaxpr
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with mesh:
+      assert thread_context.submit(trace, "test").result(timeout=60) is not None
+  with pytest.raises(Exception):  # a bare PartitionSpec with no mesh at all
+    thread_context.submit(trace, "test").result(timeout=60)
+
+
 def _mlp_step(w, batch):
   def loss_fn(w):
     return jnp.mean((jnp.tanh(batch["x"] @ w["a"]) @ w["b"] - batch["y"]) ** 2)
