@@ -3,8 +3,9 @@
 jax keeps `jax.set_mesh`, the deprecated `with mesh:`, `jax.enable_x64`,
 `jax.default_matmul_precision` and the like per thread, and Python's context variables
 start empty in a new thread. A thread that lowers probes, prices plans or compiles for the
-fit must trace the step as the caller's thread would: a step written for `jax.set_mesh` (a reshard to a bare PartitionSpec) failed
-to trace there, and what the thread was preparing was lost.
+fit must trace the step as the caller's thread would: a step written for `jax.set_mesh`
+(a reshard to a bare PartitionSpec) failed to trace there, and what the thread was
+preparing was lost.
 """
 
 from __future__ import annotations
