@@ -119,12 +119,17 @@ class Ledger:
 
 
 def cache_parts(step: steps_lib.StepBuilder, backend, options: options_lib.GuardOptions,
-                args, kwargs) -> dict[str, Any]:
+                args, kwargs, key=None) -> dict[str, Any]:
   """What decides the plan: the program under the default plan, where it must fit, how,
-  and the compiler's settings outside the program (README: the plan cache)."""
-  lowered = step.learn_state(args, kwargs, lower=True)
+  and the compiler's settings outside the program (README: the plan cache). For a target
+  the program is lowered as its first compile will be, and that lowering is compiled."""
+  text = None
+  if key is not None and hasattr(backend, "program_text"):
+    text = backend.program_text(plan_lib.Plan(), key, args, kwargs)
+  if text is None:
+    text = step.learn_state(args, kwargs, lower=True).as_text()
   parts = {
-      "program": hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+      "program": hashlib.sha256(text.encode()).hexdigest(),
       "where": backend.where(), "capacity": options.budget, "max_class": options.max_class,
       "ladder": [r.to_dict() for r in options.ladder], "state_argnums": options.state_argnums,
       "max_attempts": options.max_attempts, "search": options.search,
@@ -190,9 +195,12 @@ class Fit:
     cache_key = parts = None
     given = start
     if failed_run is None and self.cache is not None and self.options.auto_fallback:
-      parts = cache_parts(self.step, self.backend, self.options, self.args, self.kwargs)
+      parts = cache_parts(self.step, self.backend, self.options, self.args, self.kwargs,
+                          self.key)
       cache_key = plan_cache_lib.digest(parts)
       start = self._from_cache(cache_key, parts, start)
+      if planner_lib.program(start) != plan_lib.Plan():
+        getattr(self.backend, "unstage", lambda: None)()  # the key's lowering: not compiled
     if not self.step.replaced and (start.shard_state or start.offload_optimizer):
       self.step.learn_state(self.args, self.kwargs)  # a planned layout needs the state first
 
