@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -247,7 +248,7 @@ class TargetBackend(_Base):
     staged = None if probe else self._staged.pop((planner_lib.program(plan), key), None)
     if staged is not None:
       return self._compile_staged(plan, key, args, kwargs, staged.result(), options,
-                                  capacity, meanwhile)
+                                  capacity, meanwhile, climb=True)
     devices, facts = self.devices(), {}
     jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
     def compile_fn():
@@ -266,11 +267,16 @@ class TargetBackend(_Base):
     return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
   def _compile_staged(self, plan, key, args, kwargs, low: _Lowering, options, capacity,
-                      meanwhile: Meanwhile | None) -> compile_lib.Trial:
+                      meanwhile: Meanwhile | None = None, *, climb: bool = False
+                      ) -> compile_lib.Trial:
+    """Compiles a lowering made earlier (its seconds count both); `meanwhile` runs beside.
+    `climb`: the climb's own compile, whose trace a price may read (not a probe's, whose
+    trace would replace it from the pool, perhaps after the fit)."""
     def compile_fn():
       if low.failed is not None:
         raise low.failed
-      self.step.saw_traced(plan, args, kwargs, low.traced)
+      if climb:
+        self.step.saw_traced(plan, args, kwargs, low.traced)
       if meanwhile is not None:
         meanwhile.start(low.facts.get(key), time.perf_counter())
       try:
@@ -341,14 +347,8 @@ class TargetBackend(_Base):
     options, capacity = self._options(plan, probe, low_effort)
     staged = self._staged.pop((planner_lib.program(plan), key), None)
     low = staged.result() if staged is not None else self._lower(plan, args, kwargs)
-    def compile_fn():
-      if low.failed is not None:
-        raise low.failed
-      return low.lowered.compile(options)
-    def run():
-      trial = self._trial(plan, compile_fn, lambda: low.facts.get(key), capacity, low.targs)
-      return dataclasses.replace(trial, seconds=trial.seconds + low.seconds)
-    return run
+    return functools.partial(self._compile_staged, plan, key, args, kwargs, low, options,
+                             capacity)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,7 +133,7 @@ class GuardOptions:
   search: str = Search.PROBES.value
   headroom: float = ladder_lib.HEADROOM
   plan_cache_retry_exhausted: bool = False
-  max_fit_seconds: float | None = None  # a fit starts no compile or probe it cannot finish
+  max_fit_seconds: float | None = None  # no compile or probe starts, or is waited for, past it
   progress: bool = True  # a line on stderr per compile and probe once a step did not fit
   auto_plan_aware: bool = True  # microbatch and remat an unmodified step's jax.value_and_grad
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
