@@ -62,10 +62,11 @@ class Budget:
       raise OutOfTime(kind, estimate)
 
   def wait(self, future: concurrent.futures.Future, kind: Spend) -> Any:
-    """The result of a compile or probe running beside the fit, waited for no longer than
-    the budget has left: one estimated within it can still run past it (the 368M step's
-    compile that fits took 50-60 s after a failed one of 17), and libtpu cannot be stopped,
-    so the fit stops waiting and leaves it to finish on its own."""
+    """The result of a compile or probe running in another thread (beside the fit, or the
+    climb's own after the first), waited for no longer than the budget has left: one
+    estimated within it can still run past it (the 368M step's compile that fits took
+    50-60 s after a failed one of 17), and libtpu cannot be stopped, so the fit stops
+    waiting and leaves it to finish on its own."""
     if self.limit is None:
       return future.result()
     try:
