@@ -2,6 +2,7 @@
 compiles; each backend compiles for real (the end to end tests are elsewhere)."""
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -182,6 +183,47 @@ def test_the_target_backend_compiles_for_the_tpu_and_probes_cheaply(v5e_devices)
   need = backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {})
   assert need and need > 4 * MiB  # the weights alone are 4 MiB
   assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
+
+
+
+@pytest.mark.real_compiler
+def test_the_targets_argument_question_is_asked_in_a_thread_as_the_step_lowers(v5e_devices,
+                                                                               monkeypatch):
+  # Whether libtpu's verdict counts the arguments is a tiny compile (0.25 s), once per
+  # process: asked beside the first compile's trace and lowering, not before them.
+  from hbm_guard._src import targets as targets_lib
+  asked = []
+  real = targets_lib._counts_arguments
+  def counts(target):
+    asked.append(threading.current_thread().name)
+    return real(target)
+  monkeypatch.setattr(targets_lib, "_counts_arguments", counts)
+  monkeypatch.setattr(targets_lib, "_answers", {})
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+  target = _backend(target="v5e:1x1", capacity="64MiB")
+  key = target.step.key((w, x), {})
+  assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
+  assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
+  assert asked == ["hbm_guard-ask"]  # once, beside the first compile
+
+
+def test_an_argument_question_that_failed_in_its_thread_is_asked_again_by_the_reader(
+    monkeypatch):
+  from hbm_guard._src import targets as targets_lib
+  asked = []
+  def counts(target):
+    asked.append(threading.current_thread().name)
+    if len(asked) == 1:
+      raise RuntimeError("libtpu busy")
+    return True
+  monkeypatch.setattr(targets_lib, "_counts_arguments", counts)
+  monkeypatch.setattr(targets_lib, "_answers", {})
+  target = targets_lib.Target.parse("v5e:1x1")
+  targets_lib.ask_ahead(target)
+  assert targets_lib.compiler_counts_arguments(target) is True
+  assert asked == ["hbm_guard-ask", threading.current_thread().name]
+  assert targets_lib.compiler_counts_arguments(target) is True and len(asked) == 2
 
 
 def test_pricing_reuses_the_compiles_own_lowering_and_lowers_once_per_program(monkeypatch):

@@ -212,7 +212,9 @@ class TargetBackend(_Base):
     self._staged: dict[tuple[plan_lib.Plan, Any], concurrent.futures.Future] = {}
 
   def devices(self) -> list[Any]:
-    return self.target.devices()
+    devices = self.target.devices()
+    targets_lib.ask_ahead(self.target)  # its answer is read once a compile is done
+    return devices
 
   def where(self) -> str:
     return f"target:{self.target.name}"
@@ -220,7 +222,8 @@ class TargetBackend(_Base):
   def capacity(self, args) -> int | None:
     return self.options.budget
 
-  def _options(self, plan, probe, low_effort) -> tuple[dict[str, Any], int | None]:
+  def _options(self, plan, probe, low_effort
+               ) -> tuple[dict[str, Any], Callable[[], int | None] | None]:
     """The compiler options a compile (or a probe) of `plan` gets, and the capacity its
     memory_analysis is held to (None: libtpu's own verdict counts the arguments)."""
     options = dict(plan.compiler_options)
@@ -236,9 +239,12 @@ class TargetBackend(_Base):
         options.update(PROBE_OPTIONS)
     elif capacity is not None:
       options["xla_tpu_max_hbm_size_mib"] = max(1, capacity // MiB)
-    if probe or targets_lib.compiler_counts_arguments(self.target):
-      capacity = None  # libtpu's own verdict at that limit counts arguments too
-    return options, capacity
+    if probe or capacity is None:
+      return options, None
+    # Asked once the compile is done (asked ahead as the step lowers): where libtpu's own
+    # verdict at that limit counts the arguments too, it is the only check.
+    counts = functools.partial(targets_lib.compiler_counts_arguments, self.target)
+    return options, lambda: None if counts() else capacity
 
   def compile(self, plan, key, args, kwargs, *, probe=False, low_effort=False,
               meanwhile: Meanwhile | None = None) -> compile_lib.Trial:

@@ -106,12 +106,13 @@ def heartbeat(name: str, plan: plan_lib.Plan) -> Iterator[None]:
 
 
 def try_compile(plan: plan_lib.Plan, compile_fn: Callable[[], Any],
-                facts_fn: Callable[[], TraceFacts | None], *, capacity: int | None,
-                name: str) -> Trial:
+                facts_fn: Callable[[], TraceFacts | None], *,
+                capacity: int | Callable[[], int | None] | None, name: str) -> Trial:
   """Runs `compile_fn` (lower + compile under `plan`) and classifies what happened.
 
-  An out-of-memory at compile time, or a peak above `capacity`, is an OOM trial; an error
-  that is not an out-of-memory propagates unchanged.
+  An out-of-memory at compile time, or a peak above `capacity` (a callable: asked once
+  the compile is done), is an OOM trial; an error that is not an out-of-memory propagates
+  unchanged.
   """
   t0 = time.perf_counter()
   try:
@@ -126,6 +127,8 @@ def try_compile(plan: plan_lib.Plan, compile_fn: Callable[[], Any],
     return Trial(plan, Outcome.OOM, time.perf_counter() - t0, facts_fn(), rec, error=e)
   seconds = time.perf_counter() - t0
   memory = memory_of(compiled)
+  if callable(capacity):
+    capacity = capacity()
   if memory is not None and capacity is not None and memory["peak"] > capacity:
     rec = budget_record(memory, capacity, f"jit_{name}")
     return Trial(plan, Outcome.OOM, seconds, facts_fn(), rec, memory)

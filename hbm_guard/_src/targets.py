@@ -6,11 +6,13 @@ A target such as "v5e:2x2" is compiled for ahead of time with libtpu on the loca
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib.resources
 import json
 import re
+import threading
 from typing import Any
 
 import jax
@@ -118,14 +120,54 @@ def quiet_libtpu_on_cpu_host() -> None:
     os.environ.setdefault(key, value)
 
 
-@functools.cache
 def compiler_counts_arguments(target: Target) -> bool:
   """Whether libtpu's verdict at `xla_tpu_max_hbm_size_mib` counts the arguments.
 
   libtpu 0.0.50 does ("Used" = program + arguments), so the guard's own total check would
   only disagree with it by its accounting; older releases were seen to check program
-  memory only. Asked once per process: 64 MiB of arguments against a 32 MiB limit.
+  memory only. Asked once per process (64 MiB of arguments against a 32 MiB limit), and
+  ahead where `ask_ahead` was called.
   """
+  try:
+    return _asked(target, in_thread=False).result()
+  except Exception:  # pylint: disable=broad-except  (asked ahead, in a thread: ask here)
+    return _asked(target, in_thread=False).result()
+
+
+def ask_ahead(target: Target) -> None:
+  """Starts `compiler_counts_arguments` in a daemon thread: a tiny compile (0.25 s), else
+  on the first fit's path; the step's own trace and lowering hide it."""
+  _asked(target, in_thread=True)
+
+
+_answers: dict[Target, concurrent.futures.Future] = {}
+_answers_lock = threading.Lock()
+
+
+def _asked(target: Target, in_thread: bool) -> concurrent.futures.Future:
+  """The answer for `target`, asked once (a failed asking is asked again next time)."""
+  with _answers_lock:
+    future = _answers.get(target)
+    if future is not None:
+      return future
+    future = _answers[target] = concurrent.futures.Future()
+
+  def ask():
+    try:
+      future.set_result(_counts_arguments(target))
+    except BaseException as e:  # pylint: disable=broad-except  (raised to whoever reads it)
+      with _answers_lock:
+        _answers.pop(target, None)
+      future.set_exception(e)
+
+  if in_thread:
+    threading.Thread(target=ask, daemon=True, name="hbm_guard-ask").start()
+  else:
+    ask()
+  return future
+
+
+def _counts_arguments(target: Target) -> bool:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(target.devices()[:1]), ("x",))
