@@ -1,13 +1,16 @@
 """One process of a two-process jax.distributed job on CPU (loopback), for test_multihost.
 
-    python -m tests.multihost_main PROCESS_ID PORT CAPACITY_SCALE
+    python -m tests.multihost_main PROCESS_ID PORT CAPACITY_SCALE [SLOW_SECONDS]
 
 Prints one JSON line: the plan this process ended on, its attempts, and the step's loss.
+With SLOW_SECONDS, process 1's second compile takes that long more, the fit has a time
+budget of a third of it, and the line says how the fit ended instead.
 """
 
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,6 +41,9 @@ def main():
       peaks[k] = C.memory_of(jax.jit(lambda *a: step(*a)).lower(w, x, y).compile())["peak"]
   # "roomy": the plain step fits; "tight": only a split step does.
   capacity = 2 * peaks[1] if which == "roomy" else (peaks[1] + peaks[8]) // 2
+  if len(sys.argv) > 4:
+    _budget_ends_the_fit_on_every_process(pid, capacity, float(sys.argv[4]), w, x, y)
+    return
   guarded = hbm_guard.guarded_jit(step, capacity=capacity, max_class="numerics",
                                   plan_cache=False, report_dir=f"/tmp/hbm_guard_mh_{pid}")
   _, loss = guarded(w, x, y)
@@ -45,6 +51,31 @@ def main():
                     "attempts": [[a.plan.describe(), a.outcome] for a in guarded.attempts],
                     "peak": guarded.attempts[-1].memory["peak"], "loss": float(loss)}),
         flush=True)
+  jax.distributed.shutdown()
+
+
+def _budget_ends_the_fit_on_every_process(pid, capacity, slow, w, x, y):
+  from hbm_guard._src import backend as backend_lib  # pylint: disable=g-import-not-at-top
+  real, compiles, finished = backend_lib.LocalBackend.compile, [], []
+  def compile_slowly_on_process_1(self, plan, *args, probe=False, **kwargs):
+    compiles.append(plan) if not probe else None
+    if pid == 1 and not probe and len(compiles) == 2:
+      time.sleep(slow)
+      finished.append(plan.describe())
+    return real(self, plan, *args, probe=probe, **kwargs)
+  backend_lib.LocalBackend.compile = compile_slowly_on_process_1
+  guarded = hbm_guard.guarded_jit(step, capacity=capacity, max_class="numerics",
+                                  plan_cache=False, max_fit_seconds=slow / 3,
+                                  report_dir=f"/tmp/hbm_guard_mh_{pid}")
+  t0 = time.perf_counter()
+  try:
+    guarded(w, x, y)
+    ended = "fit"
+  except hbm_guard.FitTimeBudgetError:
+    ended = "FitTimeBudgetError"
+  print(json.dumps({"pid": pid, "ended": ended, "compiles": len(compiles),
+                    "slow_compile_finished": bool(finished),
+                    "seconds": time.perf_counter() - t0}), flush=True)
   jax.distributed.shutdown()
 
 

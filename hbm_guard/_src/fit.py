@@ -240,13 +240,15 @@ class Fit:
     o = self.options
     try:
       return climb_lib.climb(
-          try_plan, start, rungs=o.ladder, max_class=o.max_class, max_attempts=o.max_attempts,
+          self._in_step(try_plan), start, rungs=o.ladder, max_class=o.max_class,
+          max_attempts=o.max_attempts,
           auto_fallback=o.auto_fallback,
           step_facts=lambda t: self.backend.step_facts(self.args, self.kwargs, t),
           first_number=len(self.ledger.attempts) + 1,
           signature=trace_lib.describe_args(self.args, self.kwargs, o.state_argnums),
           on_attempt=self.ledger.record,
-          plan_next=self._plan_next if o.search == options_lib.Search.PROBES else None)
+          plan_next=(self._in_step(self._plan_next) if o.search == options_lib.Search.PROBES
+                     else None))
     except budget_lib.OutOfTime as e:  # a compile the budget could not pay for
       self._out_of_time = e
       return None
@@ -257,6 +259,24 @@ class Fit:
       if self._pool is not None:  # a probe still running is not waited for
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None
+
+  def _in_step(self, fn: Callable) -> Callable:
+    """With several processes and a time budget, a process out of time stops them all at
+    the same point: after each compile and each choice, every process learns whether any
+    is (one stopping alone would leave the others waiting for it at the next collective)."""
+    if self.budget.limit is None or jax.process_count() == 1:
+      return fn
+    def in_step(*args, **kwargs):
+      out_of_time = result = None
+      try:
+        result = fn(*args, **kwargs)
+      except budget_lib.OutOfTime as e:
+        out_of_time = e
+      if hosts_lib.any_process(out_of_time is not None):
+        raise out_of_time or budget_lib.OutOfTime(
+            budget_lib.Spend.COMPILE, self.budget.estimate(budget_lib.Spend.COMPILE))
+      return result
+    return in_step
 
   def _from_cache(self, cache_key: str, parts: dict, start: plan_lib.Plan) -> plan_lib.Plan:
     cached = self.cache.get(cache_key,
@@ -293,9 +313,10 @@ class Fit:
     self.budget.check(budget_lib.Spend.COMPILE)
     compile_now = functools.partial(self.backend.compile, plan, self.key, self.args,
                                     self.kwargs, meanwhile=meanwhile)
-    if self.budget.limit is None or self.budget.first or jax.process_count() > 1:
-      trial = compile_now()  # (hosts compile in step: none stops waiting alone)
+    if self.budget.limit is None or self.budget.first:
+      trial = compile_now()
     else:  # estimated within the budget, it may still run past it: waited for no longer
+      # (with several processes, all then stop together: _in_step)
       trial = self.budget.wait(thread_context.submit(compile_now, "hbm_guard-compile"),
                                budget_lib.Spend.COMPILE)
     return self._paid(plan, trial)

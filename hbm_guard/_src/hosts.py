@@ -53,6 +53,15 @@ def agree_capacity(capacity: int | None) -> int | None:
   return int(caps.min())
 
 
+def any_process(flag: bool) -> bool:
+  """Whether `flag` holds on any process (each process asks at the same point)."""
+  if _count() == 1:
+    return flag
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  flags = np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32)))
+  return bool(flags.any())
+
+
 def agree_trial(trial: compile_lib.Trial) -> compile_lib.Trial:
   """The worst outcome over processes: fits only if it fits everywhere."""
   if _count() == 1 or trial.outcome is compile_lib.Outcome.UNEVEN:
