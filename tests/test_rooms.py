@@ -224,6 +224,12 @@ def test_an_argument_question_that_failed_in_its_thread_is_asked_again_by_the_re
   assert targets_lib.compiler_counts_arguments(target) is True
   assert asked == ["hbm_guard-ask", threading.current_thread().name]
   assert targets_lib.compiler_counts_arguments(target) is True and len(asked) == 2
+  other = targets_lib.Target.parse("v5e:2x2")  # failing where it was asked: raised, once
+  monkeypatch.setattr(targets_lib, "_counts_arguments",
+                      lambda t: asked.append("here") or 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    targets_lib.compiler_counts_arguments(other)
+  assert asked[2:] == ["here"]
 
 
 def test_pricing_reuses_the_compiles_own_lowering_and_lowers_once_per_program(monkeypatch):

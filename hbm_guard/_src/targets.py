@@ -128,10 +128,13 @@ def compiler_counts_arguments(target: Target) -> bool:
   memory only. Asked once per process (64 MiB of arguments against a 32 MiB limit), and
   ahead where `ask_ahead` was called.
   """
+  future, in_thread = _asked(target, in_thread=False)
   try:
-    return _asked(target, in_thread=False).result()
-  except Exception:  # pylint: disable=broad-except  (asked ahead, in a thread: ask here)
-    return _asked(target, in_thread=False).result()
+    return future.result()
+  except Exception:  # pylint: disable=broad-except
+    if not in_thread:
+      raise
+    return _asked(target, in_thread=False)[0].result()  # failed in its thread: ask here
 
 
 def ask_ahead(target: Target) -> None:
@@ -140,17 +143,19 @@ def ask_ahead(target: Target) -> None:
   _asked(target, in_thread=True)
 
 
-_answers: dict[Target, concurrent.futures.Future] = {}
+# target -> (its answer, whether asked in a thread)
+_answers: dict[Target, tuple[concurrent.futures.Future, bool]] = {}
 _answers_lock = threading.Lock()
 
 
-def _asked(target: Target, in_thread: bool) -> concurrent.futures.Future:
-  """The answer for `target`, asked once (a failed asking is asked again next time)."""
+def _asked(target: Target, in_thread: bool) -> tuple[concurrent.futures.Future, bool]:
+  """The answer for `target`, asked once (a failed asking is asked again next time), and
+  whether it was asked in a thread."""
   with _answers_lock:
-    future = _answers.get(target)
-    if future is not None:
-      return future
-    future = _answers[target] = concurrent.futures.Future()
+    if target in _answers:
+      return _answers[target]
+    future = concurrent.futures.Future()
+    _answers[target] = future, in_thread
 
   def ask():
     try:
@@ -164,7 +169,7 @@ def _asked(target: Target, in_thread: bool) -> concurrent.futures.Future:
     threading.Thread(target=ask, daemon=True, name="hbm_guard-ask").start()
   else:
     ask()
-  return future
+  return future, in_thread
 
 
 def _counts_arguments(target: Target) -> bool:
