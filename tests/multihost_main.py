@@ -3,7 +3,7 @@
     python -m tests.multihost_main PROCESS_ID PORT CAPACITY_SCALE [SLOW_SECONDS]
 
 Prints one JSON line: the plan this process ended on, its attempts, and the step's loss.
-With SLOW_SECONDS, process 1's second compile takes that long more, the fit has a time
+With SLOW_SECONDS, process 1's second compile is that many seconds slower, the fit has a time
 budget of a third of it, and the line says how the fit ended instead.
 """
 
@@ -58,7 +58,8 @@ def _budget_ends_the_fit_on_every_process(pid, capacity, slow, w, x, y):
   from hbm_guard._src import backend as backend_lib  # pylint: disable=g-import-not-at-top
   real, compiles, finished = backend_lib.LocalBackend.compile, [], []
   def compile_slowly_on_process_1(self, plan, *args, probe=False, **kwargs):
-    compiles.append(plan) if not probe else None
+    if not probe:
+      compiles.append(plan)
     if pid == 1 and not probe and len(compiles) == 2:
       time.sleep(slow)
       finished.append(plan.describe())
