@@ -19,6 +19,7 @@ import jax
 
 from hbm_guard._src import errors
 from hbm_guard._src import record as record_lib
+from hbm_guard._src import thread_context
 
 
 @functools.cache
@@ -131,8 +132,9 @@ def compiler_counts_arguments(target: Target) -> bool:
   future, in_thread = _asked(target, in_thread=False)
   try:
     return future.result()
-  except Exception:  # pylint: disable=broad-except
-    if not in_thread:
+  except BaseException as e:  # pylint: disable=broad-except
+    _forget(target, future)  # a failed asking is asked again next time
+    if not in_thread or not isinstance(e, Exception):
       raise
     return _asked(target, in_thread=False)[0].result()  # failed in its thread: ask here
 
@@ -149,27 +151,27 @@ _answers_lock = threading.Lock()
 
 
 def _asked(target: Target, in_thread: bool) -> tuple[concurrent.futures.Future, bool]:
-  """The answer for `target`, asked once (a failed asking is asked again next time), and
-  whether it was asked in a thread."""
+  """The answer for `target`, asked once, and whether it was asked in a thread."""
+  ask = functools.partial(_counts_arguments, target)
   with _answers_lock:
     if target in _answers:
       return _answers[target]
-    future = concurrent.futures.Future()
+    future = (thread_context.submit(ask, "hbm_guard-ask") if in_thread
+              else concurrent.futures.Future())
     _answers[target] = future, in_thread
-
-  def ask():
+  if not in_thread:
     try:
-      future.set_result(_counts_arguments(target))
+      future.set_result(ask())
     except BaseException as e:  # pylint: disable=broad-except  (raised to whoever reads it)
-      with _answers_lock:
-        _answers.pop(target, None)
       future.set_exception(e)
-
-  if in_thread:
-    threading.Thread(target=ask, daemon=True, name="hbm_guard-ask").start()
-  else:
-    ask()
   return future, in_thread
+
+
+def _forget(target: Target, future: concurrent.futures.Future) -> None:
+  with _answers_lock:
+    entry = _answers.get(target)
+    if entry is not None and entry[0] is future:
+      del _answers[target]
 
 
 def _counts_arguments(target: Target) -> bool:

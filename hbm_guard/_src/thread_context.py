@@ -65,10 +65,9 @@ class Captured:
 
   def _run(self, fn, args):
     previous = [(state, state.swap_local(value)) for state, value in self.local_config]
-    resources = getattr(_jax_mesh, "thread_resources", None)
-    env = None if resources is None else getattr(resources, "env", None)
+    env = _legacy_resources()
     if self.legacy_resources is not None and env is not None:
-      resources.env = self.legacy_resources
+      _jax_mesh.thread_resources.env = self.legacy_resources
     try:
       if self.mesh is None:
         return fn(*args)
@@ -76,7 +75,7 @@ class Captured:
         return fn(*args)
     finally:
       if self.legacy_resources is not None and env is not None:
-        resources.env = env
+        _jax_mesh.thread_resources.env = env
       for state, value in reversed(previous):
         state.set_local(value)
 
