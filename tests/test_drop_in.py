@@ -20,6 +20,7 @@ from flax import nnx
 from flax.training import train_state
 
 import hbm_guard
+from hbm_guard._src import backend as backend_lib
 from hbm_guard._src import batch_axis
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import jaxpr_flat
@@ -149,6 +150,58 @@ def test_a_microbatch_plan_the_rewrite_cannot_split_has_no_figure(tmp_path, monk
   split = [p for p in probes if p.plan.microbatches > 1]
   assert split and all(p.need_bytes is None for p in split)
   assert all(a.plan.microbatches == 1 for a in step.attempts)
+
+
+class Classifier(nn.Module):
+  """Per-example sequences to one class each: optax's integer-label cross-entropy."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(x)))
+    return nn.Dense(10)(x.mean(1))
+
+
+def classifier_step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def test_a_count_whose_trace_does_not_split_is_searched_below_not_given_up(tmp_path,
+                                                                          monkeypatch):
+  """A microbatch of one example traces otherwise (`jnp.take_along_axis` in optax's
+  integer-label cross-entropy skips a reshape at size 1), so the rewrite refuses the top
+  count. Its probe is not compiled (at real size, a failing compile's cost), and the
+  family is searched below it: before, the refusal gave every microbatch family up and
+  "no plan fits" was said of a step that fits at microbatch(4) (13.76 MiB of 15)."""
+  x = jnp.zeros((8, 512, 256))
+  model = Classifier()
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x[:1])["params"],
+      tx=optax.sgd(0.1))
+  batch = {"x": x, "y": jnp.zeros((8,), jnp.int32)}
+  trials = []
+  figure = backend_lib.figure
+  def seen(trial):
+    trials.append(trial)
+    return figure(trial)
+  monkeypatch.setattr(backend_lib, "figure", seen)
+  step = hbm_guard.guarded_jit(classifier_step, state_argnums=0, target="v5e:1x1",
+                               capacity="15MiB", max_class="numerics", plan_cache=False,
+                               report_dir=str(tmp_path))
+  plan = step.fit(state, batch)  # before: LadderExhaustedError
+  probes = [p for a in step.attempts if a.planning for p in a.planning.probes]
+  unsplit = [p for p in probes if p.plan.microbatches == 8]
+  assert unsplit and all(p.need_bytes is None for p in unsplit)
+  assert any(p.need_bytes for p in probes if 1 < p.plan.microbatches < 8)
+  at_8 = [t for t in trials if t.plan.microbatches == 8]
+  assert at_8 and all(t.outcome is compile_lib.Outcome.UNSPLIT for t in at_8)  # not compiled
+  assert all(t.outcome is not compile_lib.Outcome.UNSPLIT for t in trials if t not in at_8)
+  assert 1 <= plan.microbatches < 8 or plan.remat_policy or plan.compiler_options
+  assert step.attempts[-1].memory["peak"] <= 15 * 2**20
 
 
 class NnxBlock(nnx.Module):

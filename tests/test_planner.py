@@ -577,3 +577,24 @@ def test_a_count_its_familys_failure_bounds_far_over_the_capacity_is_not_probed(
   choice = planner.choose([donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
   assert choice.plan.microbatches == 8
   assert probed == [64, 8]  # before: [64, 8, 2, 4]
+
+
+def test_a_top_count_without_a_figure_is_searched_below_for_every_family():
+  """A probe that cannot measure the most microbatches (the trace does not split the batch
+  there: a microbatch of one example) leaves the family searched below it, and that count
+  out of every family's search; at most MAX_UNMEASURED_COUNTS such counts."""
+  probed = []
+  def probe(plan):
+    probed.append(plan.microbatches)
+    return None if plan.microbatches == 8 else int((40 + 160 / plan.microbatches) * MiB)
+  planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=100 * MiB, scale=1.0)
+  donate = hbm_guard.Plan(donate_argnums=(0,))
+  assert planner.smallest_count(donate, [1, 2, 4, 8]) == 4  # 80 MiB; 2 needs 120
+  assert planner.unmeasured == {8}
+  remat = dataclasses.replace(donate, remat_policy="nothing_saveable")
+  choice = planner.choose([donate, remat], [1, 2, 4, 8], offload_bytes=0)
+  assert choice.plan.microbatches == 4
+  assert probed.count(8) == 1  # the count no probe measures is not asked again
+  never = planner_lib.Planner(lambda plan: None, lambda plan: 1e9, capacity=100 * MiB)
+  assert never.smallest_count(donate, [1, 2, 4, 8, 16]) is None
+  assert len(never.unmeasured) == planner_lib.MAX_UNMEASURED_COUNTS

@@ -189,7 +189,10 @@ class LocalBackend(_Base):
       def compile_fn():
         traced = entry.jitted.trace(*largs, **lkw)
         self.step.saw_traced(plan, args, kwargs, traced)
-        return traced.lower().compile()
+        lowered = traced.lower()
+        if probe:
+          compile_lib.check_split(plan, entry.facts.get(key))
+        return lowered.compile()
       return self._trial(plan, compile_fn, lambda: entry.facts.get(key), self.capacity(args),
                          largs)
     finally:
@@ -263,6 +266,8 @@ class TargetBackend(_Base):
         traced = jitted.trace(*targs, **tkw)
         self.step.saw_traced(plan, args, kwargs, traced)
         lowered = traced.lower()
+      if probe:
+        compile_lib.check_split(plan, facts.get(key))
       if meanwhile is not None:
         meanwhile.start(facts.get(key), t0)
       try:
@@ -273,14 +278,17 @@ class TargetBackend(_Base):
     return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
 
   def _compile_staged(self, plan, key, args, kwargs, low: _Lowering, options, capacity,
-                      meanwhile: Meanwhile | None = None, *, climb: bool = False
-                      ) -> compile_lib.Trial:
+                      meanwhile: Meanwhile | None = None, *, climb: bool = False,
+                      probe: bool = False) -> compile_lib.Trial:
     """Compiles a lowering made earlier (its seconds count both); `meanwhile` runs beside.
     `climb`: the climb's own compile, whose trace a price may read (not a probe's, whose
-    trace would replace it from the pool, perhaps after the fit)."""
+    trace would replace it from the pool, perhaps after the fit). `probe`: not compiled
+    where the trace did not split the batch."""
     def compile_fn():
       if low.failed is not None:
         raise low.failed
+      if probe:
+        compile_lib.check_split(plan, low.facts.get(key))
       if climb:
         self.step.saw_traced(plan, args, kwargs, low.traced)
       if meanwhile is not None:
@@ -354,7 +362,7 @@ class TargetBackend(_Base):
     staged = self._staged.pop((planner_lib.program(plan), key), None)
     low = staged.result() if staged is not None else self._lower(plan, args, kwargs)
     return functools.partial(self._compile_staged, plan, key, args, kwargs, low, options,
-                             capacity)
+                             capacity, probe=probe)
 
 
 @dataclasses.dataclass(frozen=True)

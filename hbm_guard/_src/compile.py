@@ -28,6 +28,20 @@ class Outcome(enum.StrEnum):
   FITS = "fits"
   OOM = "oom"
   UNEVEN = "uneven"  # the plan's microbatch count does not divide this batch: not compiled
+  UNSPLIT = "unsplit"  # a probe whose trace could not split the batch at its count: not compiled
+
+
+class Unsplit(Exception):
+  """Raised by a probe's thunk once its trace says the batch did not split at the plan's
+  microbatch count: compiling it would measure the whole batch (at 368M, a failing compile)."""
+
+
+def check_split(plan: plan_lib.Plan, facts: "TraceFacts | None") -> None:
+  """Raises `Unsplit` where `plan` splits the batch and its trace could not (a microbatch
+  of one example, where `jnp.take_along_axis` traces otherwise: optax's integer-label
+  cross-entropy). A probe calls it between lowering and compiling."""
+  if plan.microbatches > 1 and facts is not None and facts.auto_refused:
+    raise Unsplit(facts.auto_refused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +134,8 @@ def try_compile(plan: plan_lib.Plan, compile_fn: Callable[[], Any],
       compiled = compile_fn()
   except errors.UnevenMicrobatchError as e:
     return Trial(plan, Outcome.UNEVEN, time.perf_counter() - t0, facts_fn(), uneven=e)
+  except Unsplit:
+    return Trial(plan, Outcome.UNSPLIT, time.perf_counter() - t0, facts_fn())
   except jax.errors.JaxRuntimeError as e:
     rec = record_lib.parse(e)
     if rec is None or not rec.is_compile_time:

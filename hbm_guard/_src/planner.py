@@ -58,6 +58,9 @@ FLAGS_FLOOR = 0.5
 # A race believes a bound only this far over the capacity: microbatch(4) of the 368M plain
 # step, bounded at 22.4 GiB of 15.75 (1.42x), is not compiled; it needs ~33.
 BOUND_SLACK = 1.3
+# Microbatch counts whose probe gives no figure (the trace does not split there) that a fit
+# searches below before it gives a family up: a microbatch of one example is the case seen.
+MAX_UNMEASURED_COUNTS = 2
 # (bound, this family's unresolved plans) -> whether a later family's compile was started
 _Ahead = Callable[[plan_lib.Plan, Sequence[plan_lib.Plan]], bool]
 
@@ -141,6 +144,7 @@ class Planner:
     self.optimistic_tried = False
     self._dear = False  # once probes were dear, they stay so for this fit (they compare)
     self.data_parallel_failed = False  # a data-parallel plan its probe said fits did not
+    self.unmeasured: set[int] = set()  # microbatch counts a probe could not measure
     self.state_bytes = 0  # what donation could alias away (the step's facts, set per choice)
 
   # -- figures --------------------------------------------------------------------------
@@ -275,7 +279,20 @@ class Planner:
     if decisive and self._compile_beside(most):
       return _bisect_below_compiled(self, family, counts)
     self._prefetch_family(family, counts)
-    if not self.fits(self.need(most)):
+    need = self.need(most)
+    while (need is None and len(counts) > 1 and most.microbatches > 1
+           and len(self.unmeasured) < MAX_UNMEASURED_COUNTS):
+      # A count its probe could not measure (the step's trace does not split the batch
+      # there: a microbatch of one example, where `jnp.take_along_axis` traces otherwise,
+      # as in optax's integer-label cross-entropy): searched below it, in every family.
+      self.unmeasured.add(most.microbatches)
+      counts = counts[:-1]
+      most = dataclasses.replace(family, microbatches=counts[-1])
+      if self.ruled_out(most):
+        return None
+      self._prefetch_family(family, counts)
+      need = self.need(most)
+    if not self.fits(need):
       return None
     if self.probes_are_dear and len(counts) > 1:
       return _modelled_count(self, family, counts)
@@ -305,7 +322,8 @@ class Planner:
     limit = self.cost(bound, offload_bytes)
     candidates = [p for p in list(unresolved) + [dataclasses.replace(f, microbatches=k)
                                                  for f in later for k in counts]
-                  if self.cost(p, offload_bytes) < limit and not self.ruled_out(p)]
+                  if self.cost(p, offload_bytes) < limit and not self.ruled_out(p)
+                  and p.microbatches not in self.unmeasured]
     if not candidates:
       return False
     dearest = max(candidates, key=lambda p: self.cost(p, offload_bytes))
@@ -347,8 +365,8 @@ class Planner:
     for i, family in enumerate(priced):
       if best is not None and self.cost(family, offload_bytes) >= best.cost:
         break  # every plan of this family costs more than the best already found
-      worth = [k for k in counts if best is None or self.cost(
-          dataclasses.replace(family, microbatches=k), offload_bytes) < best.cost]
+      worth = [k for k in counts if k not in self.unmeasured and (best is None or self.cost(
+          dataclasses.replace(family, microbatches=k), offload_bytes) < best.cost)]
       # Its most microbatches is the choice if no fewer fit: where a fitting plan bounds
       # the counts (the likeliest to fit is then just cheaper than it), and no later family
       # offers anything cheaper.
@@ -414,7 +432,7 @@ class Planner:
     for family in families:
       for k in counts:
         plan = dataclasses.replace(family, microbatches=k)
-        if not self.ruled_out(plan):
+        if not self.ruled_out(plan) and k not in self.unmeasured:
           out.append(plan)
     return out
 
