@@ -598,3 +598,23 @@ def test_a_top_count_without_a_figure_is_searched_below_for_every_family():
   never = planner_lib.Planner(lambda plan: None, lambda plan: 1e9, capacity=100 * MiB)
   assert never.smallest_count(donate, [1, 2, 4, 8, 16]) is None
   assert len(never.unmeasured) == planner_lib.MAX_UNMEASURED_COUNTS
+
+
+def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():
+  """Need falls with the count, except where a microbatch of one example pads (a ViT's
+  2.12 GiB at 64 of 64 against 671 MiB at 32, its unsplit step's compile 1.66 GiB): a top
+  figure above a real compile of fewer microbatches gets the count below measured; a top
+  figure under it that does not fit gives the family up without another probe."""
+  def run(top_mib):
+    probed = []
+    def probe(plan):
+      probed.append(plan.microbatches)
+      k = plan.microbatches
+      return int((top_mib if k == 8 else 40 + 120 / k) * MiB)
+    planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=100 * MiB, scale=1.0)
+    planner.observe(hbm_guard.Plan(), real_bytes=166 * MiB, fits=False)
+    count = planner.smallest_count(hbm_guard.Plan(donate_argnums=(0,)), [1, 2, 4, 8])
+    return count, probed
+  count, probed = run(top_mib=212)  # above the unsplit step's real 166: not need's fall
+  assert count == 4 and 4 in probed  # 100 MiB at 2 is over 95; 70 at 4
+  assert run(top_mib=150) == (None, [8])  # under 166 and over 95: the family cannot fit
