@@ -204,6 +204,45 @@ def test_a_count_whose_trace_does_not_split_is_searched_below_not_given_up(tmp_p
   assert step.attempts[-1].memory["peak"] <= 15 * 2**20
 
 
+class LSTMLM(nn.Module):
+  """Two LSTM layers: `nn.RNN` scans the cell, whose gates come from `jnp.split`."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, EMB)(tokens)
+    x = nn.RNN(nn.OptimizedLSTMCell(64))(x)
+    x = nn.RNN(nn.OptimizedLSTMCell(64))(x)
+    return nn.Dense(VOCAB)(x)
+
+
+def lstm_step(state, tokens):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def test_an_unmodified_lstm_step_is_split_and_trains_like_plain_jit(tmp_path):
+  """Scanned LSTM cells (`jnp.split` of the gates, a carry made with a literal key):
+  before, the split's batch axis was unknown and the rewrite crashed on the literal."""
+  tokens = _tokens(batch=16, seq=65)
+  model = LSTMLM()
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), tokens[:1])["params"],
+      tx=optax.adamw(1e-2))
+  capacity = _donated_peak(lstm_step, state, tokens) // 2
+  step = hbm_guard.guarded_jit(lstm_step, state_argnums=0, capacity=capacity,
+                               max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  state, ref_state, outs = _train_both(lstm_step, step, state, tokens)
+  assert step.plan.microbatches > 1
+  assert step.attempts[-1].memory["peak"] <= capacity
+  assert "exact" in step.attempts[-1].auto
+  for got, want in outs:
+    assert _rel(got["loss"], want["loss"]) < 1e-5
+  assert _rel(state.params, ref_state.params) < 1e-5
+
+
 class NnxBlock(nnx.Module):
   def __init__(self, rngs):
     self.norm = nnx.LayerNorm(EMB, rngs=rngs)
@@ -496,6 +535,8 @@ def test_analysis_follows_the_batch_through_the_loss():
   table = jnp.ones((10, 6))
   tokens = jnp.zeros((8, 4), jnp.int32)
   assert _tags(lambda t, table: table[t].sum(), tokens, table) == [batch_axis.SUM]
+  gates = lambda x, w: jnp.split(x, 2, axis=-1)[1] @ w[:3]  # an LSTM cell's gates
+  assert _tags(gates, x, w) == [batch_axis.Batched(0)]
 
 
 @pytest.mark.parametrize("loss, where", [
@@ -503,6 +544,7 @@ def test_analysis_follows_the_batch_through_the_loss():
     (lambda x, w: jnp.sum((x - x.mean(axis=0)) @ w), "batch statistic"),
     (lambda x, w: jnp.sum(jnp.cumsum(x, axis=0) @ w), "along the batch axis"),
     (lambda x, w: jnp.sum(x[:4] @ w), "part of the batch"),
+    (lambda x, w: jnp.sum(jnp.split(x, 2)[0] @ w), "splits the batch axis"),
 ])
 def test_analysis_refuses_where_examples_interact(loss, where):
   with pytest.raises(batch_axis.NotSplittable, match=where):

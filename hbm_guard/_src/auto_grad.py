@@ -251,8 +251,8 @@ def _key_slots(prog: flat.Program, consts) -> list[int]:
   """Positions of the constants that are random keys (folded per microbatch): typed keys,
   and raw uint32 key data (`jax.random.PRNGKey`) where a random op takes it as its key. A
   counter fed to `fold_in` as its data (nnx's `RngCount`) is not a key."""
-  fed = {e.invars[0] for e in prog.eqns if e.invars
-         and e.primitive.name.startswith(("random_", "threefry"))}
+  fed = {e.invars[0] for e in prog.eqns if e.invars and flat.is_var(e.invars[0])
+         and e.primitive.name.startswith(("random_", "threefry"))}  # (a literal: unhashable)
   return [i for i, (v, c) in enumerate(zip(prog.constvars, consts))
           if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32 and c.ndim >= 1)]
 

@@ -242,6 +242,14 @@ def _concatenate(e, ins, batch):
   raise NotSplittable(f"{_where(e)} concatenates along or beside the batch axis")
 
 
+def _split(e, ins, batch):
+  """lax.split (jnp.split, an LSTM cell's gates): each piece keeps the batch axis whole."""
+  _, a = _the(ins)
+  if e.params["axis"] == a:
+    raise NotSplittable(f"{_where(e)} splits the batch axis")
+  return [Batched(a)] * len(e.outvars)
+
+
 def _full_on_batch_axis(e, ins, batch):
   """slice / pad / dynamic_slice: fine when the batch axis is taken whole."""
   i, a = _the(ins)
@@ -370,6 +378,7 @@ _RULES = {
     "dot_general": _dot_general,
     "gather": _gather,
     "concatenate": _concatenate,
+    "split": _split,
     "slice": _full_on_batch_axis,
     "pad": _full_on_batch_axis,
     "dynamic_slice": _full_on_batch_axis,
