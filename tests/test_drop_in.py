@@ -243,6 +243,97 @@ def test_an_unmodified_lstm_step_is_split_and_trains_like_plain_jit(tmp_path):
   assert _rel(state.params, ref_state.params) < 1e-5
 
 
+class EncBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, mask):
+    y = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(2)(y, y, mask=mask)
+    return x + nn.Dense(EMB)(nn.relu(nn.Dense(4 * EMB)(nn.LayerNorm()(x))))
+
+
+class DecBlock(nn.Module):
+  @nn.compact
+  def __call__(self, y, enc, self_mask, cross_mask):
+    z = nn.LayerNorm()(y)
+    y = y + nn.MultiHeadDotProductAttention(2)(z, z, mask=self_mask)
+    z = nn.LayerNorm()(y)
+    y = y + nn.MultiHeadDotProductAttention(2)(z, enc, mask=cross_mask)
+    return y + nn.Dense(EMB)(nn.relu(nn.Dense(4 * EMB)(nn.LayerNorm()(y))))
+
+
+class EncDec(nn.Module):
+  """T5's shape: padding masks from the tokens (flax's `make_attention_mask`)."""
+
+  @nn.compact
+  def __call__(self, src, tgt):
+    embed = nn.Embed(VOCAB, EMB)
+    x = embed(src)
+    for _ in range(2):
+      x = EncBlock()(x, nn.make_attention_mask(src > 0, src > 0))
+    self_mask = nn.combine_masks(nn.make_attention_mask(tgt > 0, tgt > 0),
+                                 nn.make_causal_mask(tgt))
+    y = embed(tgt)
+    for _ in range(2):
+      y = DecBlock()(y, x, self_mask, nn.make_attention_mask(tgt > 0, src > 0))
+    return embed.attend(y)
+
+
+def enc_dec_step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["src"], batch["tgt"][:, :-1])
+    labels = optax.smooth_labels(jax.nn.one_hot(batch["tgt"][:, 1:], VOCAB), 0.1)
+    weights = (batch["tgt"][:, 1:] > 0).astype(jnp.float32)
+    return (optax.softmax_cross_entropy(logits, labels) * weights).sum() / weights.sum()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def _enc_dec(batch=16, seq=128, tx=None):
+  tokens = _tokens(batch=batch, seq=seq + 1, pad_from=seq // 2)
+  batch = {"src": tokens[:, :-1], "tgt": tokens}
+  model = EncDec()
+  params = model.init(jax.random.PRNGKey(0), batch["src"][:1], batch["tgt"][:1, :-1])
+  return train_state.TrainState.create(apply_fn=model.apply, params=params["params"],
+                                       tx=tx or optax.adamw(1e-2)), batch
+
+
+def test_an_encoder_decoders_masks_split_on_a_target_and_both_stacks_are_layers(tmp_path):
+  """Traced for a TPU target the step's values carry the mesh's sharding, and a scalar
+  meeting a mask is resharded: the microbatch was traced without it and read as another
+  program ("traces differently"), so an encoder-decoder was never split. Its encoder's
+  blocks are layers as well as its decoder's (only the larger family was, before)."""
+  state, batch = _enc_dec()
+  step = hbm_guard.guarded_jit(enc_dec_step, state_argnums=0, target="v5e:1x1",
+                               capacity="64GiB", plan=hbm_guard.Plan(microbatches=2),
+                               max_class="numerics", plan_cache=False,
+                               report_dir=str(tmp_path))
+  step.fit(state, batch)
+  auto = step.attempts[-1].auto
+  assert "exact" in auto and "not split" not in auto
+  assert "EncDec/EncBlock_0..1" in auto and "EncDec/DecBlock_0..1" in auto
+  assert "(4 layers" in auto
+
+
+def test_an_encoder_decoder_split_trains_like_plain_jit(tmp_path):
+  # SGD: the attention's key bias has no gradient (softmax ignores a shift), and Adam
+  # would turn the two programs' rounding noise there into full steps of either sign
+  state, batch = _enc_dec(tx=optax.sgd(0.1))
+  capacity = _donated_peak(enc_dec_step, state, batch) * 2 // 3
+  step = hbm_guard.guarded_jit(enc_dec_step, state_argnums=0, capacity=capacity,
+                               max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  state, ref_state, outs = _train_both(enc_dec_step, step, state, batch)
+  assert step.plan.microbatches > 1 or step.plan.remat_policy
+  assert step.attempts[-1].memory["peak"] <= capacity
+  for got, want in outs:
+    assert _rel(got, want) < 1e-5
+  # to f32 rounding, against the largest step any parameter took (a leaf by itself: the
+  # key biases' steps are rounding noise, ~1e-9, different in every program)
+  moved = max(float(jnp.max(jnp.abs(b - a))) for a, b in zip(
+      jax.tree.leaves(_enc_dec(tx=optax.sgd(0.1))[0].params), jax.tree.leaves(ref_state.params)))
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params))) < 1e-4 * moved
+
+
 class NnxBlock(nnx.Module):
   def __init__(self, rngs):
     self.norm = nnx.LayerNorm(EMB, rngs=rngs)

@@ -214,9 +214,7 @@ def _micro_program(t: _Traced, split: Split, batch: int, k: int):
   """The loss traced on one microbatch, checked equation for equation against the whole."""
   m = batch // k
   diff, other, batch_vals = t.inputs()
-  shapes = [jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype,
-                                 weak_type=getattr(jax.typeof(x), "weak_type", False))
-            for x in batch_vals]
+  shapes = [_microbatch_of(x, m) for x in batch_vals]
   closed = jax.make_jaxpr(t.g)(diff, other, shapes)
   prog = flat.flatten(closed)
   if not flat.same_structure(t.prog, prog) or len(closed.consts) != len(t.closed.consts):
@@ -234,6 +232,18 @@ def _micro_program(t: _Traced, split: Split, batch: int, k: int):
             f"`{prog.eqns[i].primitive.name}` in {prog.eqns[i].name_stack or 'the loss'} uses "
             f"the batch size as a number in per-example work (e.g. x / batch_size before a sum)")
   return closed, prog, frontier, outs, indices, slot
+
+
+def _microbatch_of(x, m: int) -> jax.ShapeDtypeStruct:
+  """`x`'s type at m examples: its dtype, weak type and, where the step is traced under a
+  mesh, its sharding (whose absence would trace otherwise: a scalar meeting it is
+  resharded, as in flax's attention masks)."""
+  aval = jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
+  if sharding is not None and getattr(getattr(sharding, "mesh", None), "empty", True):
+    sharding = None
+  return jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype, sharding=sharding,
+                              weak_type=getattr(aval, "weak_type", False))
 
 
 def _literal(atom):

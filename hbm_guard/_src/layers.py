@@ -18,6 +18,7 @@ from hbm_guard._src import jaxpr_flat as flat
 
 _NUMBERED = re.compile(r"(.*?)_?(\d+)")
 _MIN_LAYERS = 2
+OTHER_FAMILY_SHARE = 0.25  # another family of layers: at least this share of the largest's
 
 
 def segments(prog: flat.Program, indices: Sequence[int], params: Sequence[Any]
@@ -45,6 +46,9 @@ def _scanned(prog, indices, params):
 
 
 def _by_names(prog, indices):
+  """The family of numbered siblings covering most equations, and any other family
+  disjoint from it that covers at least OTHER_FAMILY_SHARE as much (an encoder's blocks
+  beside a decoder's: `T5/Enc_0..3`, `T5/Dec_0..3`)."""
   count: dict = collections.defaultdict(collections.Counter)
   stacks = [prog.eqns[i].name_stack.split("/") for i in indices]
   for parts in stacks:
@@ -52,10 +56,26 @@ def _by_names(prog, indices):
       m = _NUMBERED.fullmatch(comp)
       if m:
         count[(tuple(parts[:d]), m.group(1))][comp] += 1
-  fams = [(sum(c.values()), -len(k[0]), k) for k, c in count.items() if len(c) >= _MIN_LAYERS]
+  fams = sorted(((sum(c.values()), -len(k[0]), k) for k, c in count.items()
+                 if len(c) >= _MIN_LAYERS), reverse=True)
   if not fams:
     return [], None
-  _, _, (parent, stem) = max(fams)
+  runs, wheres, n_layers = [], [], 0
+  for covered, _, (parent, stem) in fams:
+    if covered < OTHER_FAMILY_SHARE * fams[0][0]:
+      break
+    family = _family_runs(indices, stacks, parent, stem)
+    if any(a < d and c < b for a, b in family for c, d in runs):
+      continue  # nested in (or around) a family already taken
+    runs += family
+    names = sorted(count[(parent, stem)], key=lambda s: int(re.search(r"\d+$", s).group()))
+    wheres.append("/".join((*parent, f"{names[0]}..{names[-1].rsplit('_', 1)[-1]}")))
+    n_layers += len(names)
+  return sorted(runs), f"{', '.join(wheres)} ({n_layers} layers, by module name)"
+
+
+def _family_runs(indices, stacks, parent, stem) -> list[tuple[int, int]]:
+  """[start, stop) runs of equations, one per member of the family `parent/stem_<n>`."""
   depth = len(parent)
   member_re = re.compile(rf"{re.escape(stem)}_?\d+")
   runs, current = [], None
@@ -71,9 +91,7 @@ def _by_names(prog, indices):
     current = [member, i, i + 1] if member is not None else None
   if current is not None:
     runs.append((current[1], current[2]))
-  names = sorted(count[(parent, stem)], key=lambda s: int(re.search(r"\d+$", s).group()))
-  where = "/".join((*parent, f"{names[0]}..{names[-1].rsplit('_', 1)[-1]}"))
-  return runs, f"{where} ({len(names)} layers, by module name)"
+  return runs
 
 
 def _by_parameters(prog, indices, params):
