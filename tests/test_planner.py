@@ -582,7 +582,7 @@ def test_a_count_its_familys_failure_bounds_far_over_the_capacity_is_not_probed(
 def test_a_top_count_without_a_figure_is_searched_below_for_every_family():
   """A probe that cannot measure the most microbatches (the trace does not split the batch
   there: a microbatch of one example) leaves the family searched below it, and that count
-  out of every family's search; at most MAX_UNMEASURED_COUNTS such counts."""
+  out of every family's search; at most MAX_PASSED_OVER such counts."""
   probed = []
   def probe(plan):
     probed.append(plan.microbatches)
@@ -597,7 +597,7 @@ def test_a_top_count_without_a_figure_is_searched_below_for_every_family():
   assert probed.count(8) == 1  # the count no probe measures is not asked again
   never = planner_lib.Planner(lambda plan: None, lambda plan: 1e9, capacity=100 * MiB)
   assert never.smallest_count(donate, [1, 2, 4, 8, 16]) is None
-  assert len(never.unmeasured) == planner_lib.MAX_UNMEASURED_COUNTS
+  assert len(never.unmeasured) == planner_lib.MAX_PASSED_OVER
 
 
 def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():

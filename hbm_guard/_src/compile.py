@@ -31,19 +31,6 @@ class Outcome(enum.StrEnum):
   UNSPLIT = "unsplit"  # a probe whose trace could not split the batch at its count: not compiled
 
 
-class Unsplit(Exception):
-  """Raised by a probe's thunk once its trace says the batch did not split at the plan's
-  microbatch count: compiling it would measure the whole batch (at 368M, a failing compile)."""
-
-
-def check_split(plan: plan_lib.Plan, facts: "TraceFacts | None") -> None:
-  """Raises `Unsplit` where `plan` splits the batch and its trace could not (a microbatch
-  of one example, where `jnp.take_along_axis` traces otherwise: optax's integer-label
-  cross-entropy). A probe calls it between lowering and compiling."""
-  if plan.microbatches > 1 and facts is not None and facts.auto_refused:
-    raise Unsplit(facts.auto_refused)
-
-
 @dataclasses.dataclass(frozen=True)
 class TraceFacts:
   """What tracing the step under a plan told the guard."""
@@ -55,6 +42,19 @@ class TraceFacts:
   optimizer_streaming: str | None = None  # how offload_aware brought the state in
   auto: str | None = None  # what the drop-in analysis did with the step's gradient
   auto_refused: str | None = None  # why it did not split the batch
+
+
+class Unsplit(Exception):
+  """Raised by a probe's thunk once its trace says the batch did not split at the plan's
+  microbatch count: compiling it would measure the whole batch (at 368M, a failing compile)."""
+
+
+def check_split(plan: plan_lib.Plan, facts: TraceFacts | None) -> None:
+  """Raises `Unsplit` where `plan` splits the batch and its trace could not (a microbatch
+  of one example, where `jnp.take_along_axis` traces otherwise: optax's integer-label
+  cross-entropy). A probe calls it between lowering and compiling."""
+  if plan.microbatches > 1 and facts is not None and facts.auto_refused:
+    raise Unsplit(facts.auto_refused)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,9 +58,9 @@ FLAGS_FLOOR = 0.5
 # A race believes a bound only this far over the capacity: microbatch(4) of the 368M plain
 # step, bounded at 22.4 GiB of 15.75 (1.42x), is not compiled; it needs ~33.
 BOUND_SLACK = 1.3
-# Microbatch counts whose probe gives no figure (the trace does not split there) that a fit
-# searches below before it gives a family up: a microbatch of one example is the case seen.
-MAX_UNMEASURED_COUNTS = 2
+# A family's top counts that say nothing of fewer (Planner._passed_over), searched below
+# before the family is given up: a microbatch of one example is the case seen.
+MAX_PASSED_OVER = 2
 # (bound, this family's unresolved plans) -> whether a later family's compile was started
 _Ahead = Callable[[plan_lib.Plan, Sequence[plan_lib.Plan]], bool]
 
@@ -280,23 +280,9 @@ class Planner:
       return _bisect_below_compiled(self, family, counts)
     self._prefetch_family(family, counts)
     need = self.need(most)
-    while (need is None and len(counts) > 1 and most.microbatches > 1
-           and len(self.unmeasured) < MAX_UNMEASURED_COUNTS):
-      # A count its probe could not measure (the step's trace does not split the batch
-      # there: a microbatch of one example, where `jnp.take_along_axis` traces otherwise,
-      # as in optax's integer-label cross-entropy): searched below it, in every family.
-      self.unmeasured.add(most.microbatches)
-      counts = counts[:-1]
-      most = dataclasses.replace(family, microbatches=counts[-1])
-      if self.ruled_out(most):
-        return None
-      self._prefetch_family(family, counts)
-      need = self.need(most)
-    if not self.fits(need) and len(counts) > 1 and self._above_fewer(most, need):
-      # The most microbatches read above a real compile of fewer: need does not fall with
-      # the count up there (a microbatch of one example, its minor dims padded by TPU
-      # tiling: a ViT at 2.12 GiB for 64 of 64, 671 MiB at 32, its unsplit step 1.66 GiB).
-      # The count below is measured before the family is given up.
+    for _ in range(MAX_PASSED_OVER):
+      if len(counts) < 2 or not self._passed_over(most, need):
+        break
       counts = counts[:-1]
       most = dataclasses.replace(family, microbatches=counts[-1])
       if self.ruled_out(most):
@@ -309,13 +295,24 @@ class Planner:
       return _modelled_count(self, family, counts)
     return counts[_bisect(self, family, counts, thirds=self.side_by_side, ahead=ahead)]
 
-  def _above_fewer(self, plan: plan_lib.Plan, need: int | None) -> bool:
-    """Whether `plan`'s figure is above a real compile's of its family at fewer
-    microbatches (donation aside: it only lowers the need)."""
+  def _passed_over(self, top: plan_lib.Plan, need: int | None) -> bool:
+    """Whether a family's most microbatches say nothing of fewer, which are then searched:
+    - no figure: the trace does not split the batch there (a microbatch of one example,
+      where `jnp.take_along_axis` traces otherwise, as in optax's integer-label
+      cross-entropy); that count is left out of every family's search;
+    - a figure over the capacity and above a real compile of fewer microbatches (donation
+      aside: it only lowers the need), so need does not fall with the count up there: a
+      one-example microbatch padded by TPU tiling (a ViT: 2.12 GiB at 64 of 64, 671 MiB at
+      32, its unsplit compile 1.66 GiB)."""
+    if top.microbatches < 2:
+      return False
+    if need is None:
+      self.unmeasured.add(top.microbatches)
+      return True
     bare = lambda p: dataclasses.replace(program(p), donate_argnums=(), microbatches=1)  # noqa: E731
-    return need is not None and any(
+    return not self.fits(need) and any(
         n < need for p, n in self._real.items()
-        if bare(p) == bare(plan) and p.microbatches < plan.microbatches)
+        if bare(p) == bare(top) and p.microbatches < top.microbatches)
 
   def _compile_beside(self, plan: plan_lib.Plan) -> bool:
     """Starts a real compile of `plan`, whose probe would only decide whether to compile
