@@ -5,12 +5,16 @@ readings of the jaxpr:
 - name stacks: Flax linen names each module call (`decoder/encoderdecoderblock_3/...`);
   the family of `<name>_<n>` siblings covering most equations is the layers;
 - parameters: where no names are recorded (nnx), each layer reads its own parameters in
-  the same pattern; the longest repeating pattern of parameter reads marks the layers.
+  the same pattern; the longest repeating pattern of parameter reads marks the layers;
+- a scan over parameters (`nn.scan`, `nnx.scan`): its body is one layer.
+Of the readings found, the one whose layers read the most parameter elements is the stack:
+a final LayerNorm's scale and bias repeat one read twice, beside a scan of every layer.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import Any, Sequence
 
@@ -24,14 +28,20 @@ OTHER_FAMILY_SHARE = 0.25  # another family of layers: at least this share of th
 def segments(prog: flat.Program, indices: Sequence[int], params: Sequence[Any]
              ) -> tuple[list[tuple[int, int]], str | None]:
   """[start, stop) equation runs, one per layer, and a description; ([], None) if none."""
-  indices = list(indices)
-  found = _by_names(prog, indices)
-  if found[0]:
-    return found
-  found = _by_parameters(prog, indices, set(params))
-  if found[0]:
-    return found
-  return _scanned(prog, indices, set(params))
+  indices, params = list(indices), set(params)
+  named = _by_names(prog, indices)
+  # (the repeated reads' search is quadratic in the reads: only where no names are recorded)
+  readings = [r for r in (named if named[0] else _by_parameters(prog, indices, params),
+                          _scanned(prog, indices, params)) if r[0]]
+  # max keeps the first of equals: names or repeated reads before a scan
+  return max(readings, key=lambda r: _parameters_read(prog, r[0], params), default=([], None))
+
+
+def _parameters_read(prog, runs, params) -> int:
+  """Elements of the parameters read inside `runs`: what the layers hold."""
+  read = {v for a, b in runs for i in range(a, b) for v in prog.eqns[i].invars
+          if flat.is_var(v) and v in params}
+  return sum(math.prod(v.aval.shape) for v in read)
 
 
 def _scanned(prog, indices, params):
