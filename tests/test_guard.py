@@ -1,5 +1,6 @@
 """guarded_jit on the local CPU: a drop-in for jax.jit, and the ladder under capacity=."""
 
+import dataclasses
 import json
 import os
 
@@ -281,3 +282,45 @@ def test_flags_make_one_checked_options_value():
   step(jnp.array(W), X)
   with flagsaver.flagsaver(hbm_guard_max_class="exact"):
     assert hbm_flags.options().max_class == "exact"  # read when called, not at import
+
+
+def mlp_step(params, x):
+  def loss(p):
+    h = x
+    for w in p:
+      h = jnp.tanh(h @ w)
+    return (h ** 2).mean()
+  value, g = jax.value_and_grad(loss)(params)
+  return [w - 0.1 * gw for w, gw in zip(params, g)], value
+
+
+def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_path):
+  """On this host a probe is a full compile: the plan the fit chooses runs that executable,
+  not a second compile of it (the plan comes back with its rungs named in another order,
+  and its jit object was keyed by that order: each fit compiled its plan twice)."""
+  from jax._src import dispatch, monitoring  # pylint: disable=import-outside-toplevel
+  compiles = []
+
+  def on_event(event, seconds, **kwargs):
+    del seconds, kwargs
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      compiles.append(event)
+
+  params = [jnp.full((128, 128), 0.01) for _ in range(4)]
+  x = jnp.ones((4096, 128))
+  step = hbm_guard.guarded_jit(mlp_step, state_argnums=0, capacity="9MiB", max_class="numerics",
+                               report_dir=str(tmp_path), plan_cache=False)
+  monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    plan = step.fit(params, x)
+    fit_compiles = len(compiles)
+    step(params, x)  # the first call runs it: no compile either
+  finally:
+    monitoring.unregister_event_duration_listener(on_event)
+  probes = [p.plan for a in step.attempts if a.planning for p in a.planning.probes]
+  program = lambda p: dataclasses.replace(p, rungs=())  # noqa: E731
+  assert plan.microbatches > 1 and len(step.attempts) == 2
+  assert program(plan) in {program(p) for p in probes}
+  # one compile per program the fit tried (the plain step, each probe, prefetched or read)
+  assert fit_compiles == len({program(key[0]) for key in step._step._jits})
+  assert len(compiles) == fit_compiles

@@ -170,7 +170,10 @@ class StepBuilder:
     """The local jit object for `plan` (one per plan and, with a layout, state structure)."""
     layout = self.layout(plan, args, jax.devices()) if args is not None else None
     state = None if layout is None else tuple(args[i] for i in layout)
-    jkey = (plan, None if state is None else jax.tree_util.tree_structure(state),
+    # By what the plan does, not the order its rungs were named in: a plan probed (a full
+    # compile here) and then chosen under another name runs the executable compiled then.
+    jkey = (dataclasses.replace(plan, rungs=()),
+            None if state is None else jax.tree_util.tree_structure(state),
             None if state is None else tuple(np.shape(x) for x in jax.tree.leaves(state)))
     entry = self._jits.get(jkey)
     if entry is None:
@@ -179,6 +182,8 @@ class StepBuilder:
       entry = PlanJit(plan, self.jit(plan, layout, nargs, allowed, facts), layout, allowed,
                       facts)
       self._jits[jkey] = entry
+    elif entry.plan != plan:
+      entry = dataclasses.replace(entry, plan=plan)  # the same jit object, named as asked
     return entry
 
   def learn_state(self, args, kwargs, lower: bool = False):
