@@ -148,6 +148,12 @@ class UnevenMicrobatchError(HbmGuardError, ValueError):
     self.batch_size = batch_size
     self.microbatches = microbatches
 
+  @classmethod
+  def of(cls, batch_size: int, microbatches: int) -> "UnevenMicrobatchError":
+    return cls(f"Batch of {batch_size} examples does not split into {microbatches} "
+               f"microbatches; use a batch divisible by {microbatches} (hbm_guard never "
+               f"drops examples).", batch_size=batch_size, microbatches=microbatches)
+
 
 class InvalidLadderError(HbmGuardError, ValueError):
   """A ladder definition is malformed: unknown kind, class or key, or a missing field."""

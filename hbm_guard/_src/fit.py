@@ -323,6 +323,10 @@ class Fit:
 
   def _paid(self, plan: plan_lib.Plan, trial: compile_lib.Trial) -> compile_lib.Trial:
     """A compile's seconds counted against the budget, and its line of progress."""
+    if trial.outcome is compile_lib.Outcome.UNEVEN:  # traced, not compiled
+      self.progress.stopped(f"{plan.describe()}: {trial.uneven} The climb takes a count "
+                            f"that divides it.")
+      return trial
     self.budget.record(budget_lib.Spend.COMPILE, trial.seconds)
     rec = trial.record
     self.progress.compiled(

@@ -19,6 +19,7 @@ import jax
 
 from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
+from hbm_guard._src import errors
 from hbm_guard._src import layers as layers_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import swap
@@ -136,12 +137,14 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   found = Found(_name(fun, ctx), described, split and split.description, refused, layers)
   _note(found)
   k = plan_lib.plan_value("microbatches") if split is not None else 1
+  if k > 1 and batch % k:  # not compiled whole under k's name: the climb picks a count
+    raise errors.UnevenMicrobatchError.of(batch, k)  # that divides (a trailing batch)
   policy = plan_lib.plan_value("remat_policy") if layers else None
   if split is not None:
     plan_lib.note(batch_size=batch, loss_form="auto_sums")
   constrain = ctx.constraint(split.tags) if split is not None else None
   try:
-    if k > 1 and batch % k == 0:
+    if k > 1:
       outs, grads = auto_grad.microbatched(t, split, batch, k, policy, ctx)
     elif (policy is not None and segments) or constrain is not None:
       outs, grads = auto_grad.whole_batch(t, policy if segments else None,

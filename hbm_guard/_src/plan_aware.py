@@ -142,10 +142,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, *,
       grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
       return split.pack(loss / weight, aux), grads
     if batch % k:
-      raise errors.UnevenMicrobatchError(
-          f"Batch of {batch} examples does not split into {k} microbatches; use a batch "
-          f"divisible by {k} (hbm_guard never drops examples).",
-          batch_size=batch, microbatches=k)
+      raise errors.UnevenMicrobatchError.of(batch, k)
     return split.accumulate(vg, args, kwargs, k, batch // k)
 
   return wrapped
