@@ -1,12 +1,13 @@
 """Steps the project was not written against, fitted as a user would (issue #17, stop 33).
 
-    .venv/bin/python -m benchmarks.bench_models [--model lstm|t5|vit|cnn|all]
+    .venv/bin/python -m benchmarks.bench_models [--model lstm|t5|vit|cnn|scan|all]
 
 Each is an ordinary Flax step, unmodified, guarded with `target="v5e:1x1"` at a capacity
 its plain step does not fit, and fitted with abstract arguments (`.fit`). Prints the plan,
 compiles, probes, the fit's seconds and one compile of the plan found (the fit's last).
-Before stop 33 each of these said "no plan fits" or went to every XLA flag. A benchmark,
-not a test: minutes each on 2 cores.
+Before stop 33 each of these said "no plan fits" or went to every XLA flag; before stop 34
+`scan` (layers under `nn.scan`, a final LayerNorm) read its layers as the LayerNorm's two
+reads and needed offload. A benchmark, not a test: minutes each on 2 cores.
 """
 
 import argparse
@@ -116,6 +117,24 @@ class _CNN(nn.Module):
     return nn.Dense(10)(x.mean((1, 2)))
 
 
+class _ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    y = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(8)(y, y)
+    return x + nn.Dense(512)(nn.gelu(nn.Dense(2048)(nn.LayerNorm()(x)))), None
+
+
+class _ScanLM(nn.Module):
+  """MaxText-style: the layers stacked under `nn.scan`."""
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(16000, 512)
+    x, _ = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=8)()(embed(tokens), None)
+    return embed.attend(nn.LayerNorm()(x))
+
+
 def _spec(shape, dtype=jnp.float32):
   return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -139,6 +158,9 @@ def models():
                       {"x": _spec((64, 224, 224, 3)), "y": _spec((64,), jnp.int32)}, "1GiB"),
       "cnn": lambda: (_ce_step, _state(_CNN(), jnp.zeros((1, 64, 64, 3))),
                       {"x": _spec((64, 64, 64, 3)), "y": _spec((64,), jnp.int32)}, "1GiB"),
+      "scan": lambda: (_ce_step, _state(_ScanLM(), jnp.zeros((1, 8), jnp.int32)),
+                       {"x": _spec((32, 512), jnp.int32), "y": _spec((32, 512), jnp.int32)},
+                       "1GiB"),
   }
 
 
@@ -156,7 +178,8 @@ def run(name: str) -> dict:
   last = step.attempts[-1]
   return {"model": name, "capacity": capacity, "plan": plan, "compiles": len(step.attempts),
           "probes": sum(not p.compiled for p in probes), "fit_s": fit_s,
-          "last_s": last.seconds, "split": "not split" not in (last.auto or "not split")}
+          "last_s": last.seconds, "split": "not split" not in (last.auto or "not split"),
+          "layers": (last.auto or "").partition("layers: ")[2] or "none"}
 
 
 def main():
@@ -164,12 +187,13 @@ def main():
   parser.add_argument("--model", default="all", choices=["all", *models()])
   args = parser.parse_args()
   hbm_guard.quiet_libtpu_on_cpu_host()
-  print("| model | capacity | plan | compiles | probes | fit s | its compile s | split |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("| model | capacity | plan | compiles | probes | fit s | its compile s | split | "
+        "layers |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for name in models() if args.model == "all" else [args.model]:
     r = run(name)
     print(f"| {r['model']} | {r['capacity']} | {r['plan']} | {r['compiles']} | {r['probes']} | "
-          f"{r['fit_s']:.0f} | {r['last_s']:.0f} | {r['split']} |", flush=True)
+          f"{r['fit_s']:.0f} | {r['last_s']:.0f} | {r['split']} | {r['layers']} |", flush=True)
 
 
 if __name__ == "__main__":
