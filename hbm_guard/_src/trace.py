@@ -12,12 +12,22 @@ from typing import Any, Hashable, Iterable
 import jax
 from hbm_guard._src import layout as layout_lib
 
+try:
+  from jax._src.array import ArrayImpl as _ArrayImpl  # jax.Array's concrete type: not public
+except ImportError:  # pragma: no cover  (then every leaf by its aval)
+  _ArrayImpl = None
+
 
 def _leaf_key(x) -> Hashable:
+  # Computed for every leaf at every call once signatures live on several jits: a concrete
+  # array is keyed from its own attributes (0.14 us, where jax.typeof and str(dtype) took
+  # 3.4 us a leaf: 1.4 ms a call for a 400-leaf state), to the key its aval gives.
+  if type(x) is _ArrayImpl:
+    return (x.shape, x.dtype, x.weak_type)
   if hasattr(x, "shape") and hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex)):
     try:
       aval = jax.typeof(x)
-      return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+      return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)))
     except TypeError:
       pass
   try:
