@@ -324,3 +324,19 @@ def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_pa
   # one compile per program the fit tried (the plain step, each probe, prefetched or read)
   assert fit_compiles == len({program(key[0]) for key in step._step._jits})
   assert len(compiles) == fit_compiles
+
+
+@pytest.mark.parametrize("value", [
+    jnp.ones((3, 4)), jnp.full((2,), 0.1), jnp.ones((2,), jnp.bfloat16), jnp.int32(3),
+    jax.random.key(0), np.ones((3,), np.float32), 1.0, 2, True])
+def test_a_signature_is_the_same_from_an_array_its_shape_struct_and_its_tracer(value):
+  """Dispatch keys a concrete array from its own attributes (fast): the key must be the
+  one `.fit` computes from abstract arguments and the traced step from its tracers."""
+  from hbm_guard._src import trace as T  # pylint: disable=import-outside-toplevel
+  aval = jax.typeof(value)
+  struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+  traced = []
+  jax.jit(lambda t: traced.append(T.signature((t,), {})) or 0)(value)
+  assert T.signature((value,), {}) == T.signature((struct,), {}) == traced[0]
+  other = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
+  assert T.signature((value,), {}) != T.signature((other,), {})
