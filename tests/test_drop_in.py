@@ -679,6 +679,37 @@ def test_unmodified_train_state_update_streams_under_the_offload_rung():
   assert _rel(got.params, want.params) < 1e-6
 
 
+def test_a_multisteps_optimizer_streams_under_the_offload_rung_and_keeps_its_methods():
+  """optax.MultiSteps is an object, not a GradientTransformation NamedTuple: its update is
+  followed all the same (the offload rung was 'not seen' for it), and the step may still
+  call its own methods on `state.tx` while the guard traces."""
+  tokens = _tokens(batch=8, seq=16)
+  tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+                        every_k_schedule=2)
+  state = _linen_state(tokens, tx=tx)
+  batch = {"inputs": tokens}
+
+  def step(state, batch):
+    new, loss = lm1b_train_step(state, batch)
+    return new, loss, state.tx.has_updated(new.opt_state)
+
+  builder = steps_lib.StepBuilder(step, options_lib.make(state_argnums=0))
+  builder.learn_state((state, batch), {})
+  entry = builder.plan_jit(plan_lib.Plan(offload_optimizer=True), (state, batch))
+  entry.allowed.add(builder.key((state, batch), {}))
+  got, want = jax.tree.map(jnp.copy, state), state
+  for _ in range(2):
+    got, _, got_updated = entry((got, batch), {})
+    want, _, want_updated = jax.jit(step)(want, batch)
+  (fact,) = entry.facts.values()
+  assert "offload_optimizer" in fact.reads
+  assert fact.optimizer_streaming == "whole"  # global-norm clipping mixes the parameters
+  assert got.tx is tx and bool(got_updated) and bool(want_updated)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state) if x.ndim}
+  assert kinds == {"pinned_host"}
+  assert _rel(got.params, want.params) < 1e-6
+
+
 class ScannedBlock(nn.Module):
   @nn.compact
   def __call__(self, x, _):

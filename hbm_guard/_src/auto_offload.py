@@ -22,9 +22,8 @@ _SWAP = swap.WhileTracing()
 
 
 def _is_train_state(x) -> bool:
-  tx = getattr(x, "tx", None)
   return (hasattr(x, "apply_gradients") and hasattr(x, "replace")
-          and callable(getattr(tx, "update", None)) and hasattr(tx, "_replace"))
+          and offload.is_transformation(getattr(x, "tx", None)))
 
 
 def wrap_states(args: tuple, state_argnums: Sequence[int]) -> tuple[tuple, dict[int, Any]]:
@@ -67,7 +66,7 @@ def nnx_optimizers() -> Iterator[None]:
 def _aware_update(self, *args, **kwargs):
   original = _SWAP.original("update")
   tx = getattr(self, "tx", None)
-  if not hasattr(tx, "_replace"):
+  if not offload.is_transformation(tx):
     return original(self, *args, **kwargs)
   object.__setattr__(self, "tx", offload.offload_aware(tx))
   try:

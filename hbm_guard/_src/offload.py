@@ -67,7 +67,26 @@ def offload_aware(tx):
     if not plan_lib.plan_value("offload_optimizer"):
       return tx.update(updates, state, params, **extra_args)
     return streamed_update(tx, updates, state, params, **extra_args)
-  return tx._replace(update=update)
+  if hasattr(tx, "_replace"):  # optax's GradientTransformation: a NamedTuple
+    return tx._replace(update=update)
+  return _Updating(tx, update)
+
+
+def is_transformation(tx) -> bool:
+  """Whether `tx` updates as optax's do: `init` and `update` (a GradientTransformation, or
+  an object such as `optax.MultiSteps`)."""
+  return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+
+
+class _Updating:
+  """`tx` with another `update`; everything else is `tx`'s own (`optax.MultiSteps`'s
+  `has_updated`, `inner_opt`, ...), so a step that reads them traces as it would."""
+
+  def __init__(self, tx, update):
+    self._tx, self.update = tx, update
+
+  def __getattr__(self, name):
+    return getattr(self._tx, name)
 
 
 def streamed_update(tx, grads, state, params=None, **extra_args):
