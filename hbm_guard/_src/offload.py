@@ -86,6 +86,8 @@ class _Updating:
     self._tx, self.update = tx, update
 
   def __getattr__(self, name):
+    if name == "_tx":  # not yet set (a copy being made): no recursion
+      raise AttributeError(name)
     return getattr(self._tx, name)
 
 
