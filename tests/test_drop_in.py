@@ -18,6 +18,8 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
+from jax import grad as bound_grad  # bound at import, as users' modules do: jax's own
+from jax import value_and_grad as bound_value_and_grad
 
 import hbm_guard
 from hbm_guard._src import backend as backend_lib
@@ -593,6 +595,35 @@ def test_jax_functions_are_jax_own_outside_and_in_other_threads():
   jitted.trace(state, {"inputs": tokens})
   assert seen == [False, True]
   assert jax.value_and_grad is own_vg and jax.grad is own_grad
+
+
+@pytest.mark.parametrize("differentiate", [bound_value_and_grad, bound_grad],
+                         ids=["value_and_grad", "grad"])
+def test_a_gradient_whose_name_was_bound_at_import_is_split_exactly(differentiate):
+  """`from jax import value_and_grad` holds jax's own function, which no swap of the `jax`
+  module reaches. Before, its gradient was not seen: no microbatch plan could fit the step,
+  and an unseen step at 9 MiB was "no plan fits" where microbatch(8) fits."""
+  tokens = _tokens(batch=8, seq=16)
+  state = _linen_state(tokens, tx=optax.sgd(0.1))
+
+  def loss_fn(params, inputs):  # the batch as an argument not differentiated
+    logits = state.apply_fn({"params": params}, inputs)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, inputs)
+    return nll.mean(), logits.argmax(-1)
+
+  def step(state, batch):
+    out = differentiate(loss_fn, has_aux=True)(state.params, batch["inputs"])
+    grads, predicted = (out[1], out[0][1]) if differentiate is bound_value_and_grad else out
+    return state.apply_gradients(grads=grads), predicted
+
+  batch = {"inputs": tokens}
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=2), state, batch)
+  got_state, got_predicted = jitted(state, batch)
+  want_state, want_predicted = jax.jit(step)(state, batch)
+  (fact,) = facts.values()
+  assert "gradient of `loss_fn` in `step`" in fact.auto and "exact" in fact.auto
+  assert _rel(got_state.params, want_state.params) < 1e-5
+  np.testing.assert_array_equal(got_predicted, want_predicted)  # per example, in order
 
 
 def test_helper_steps_take_precedence():

@@ -4,7 +4,9 @@ gradient is found (flax's `nnx.value_and_grad` / `nnx.grad` call these too).
 While a guard traces (and only in that thread and context), `jax.value_and_grad` and
 `jax.grad` are wrappers that hand the gradient to `auto_grad`: it follows the plan's
 microbatches and remat policy where the analysis allows, and says why where it does not.
-Everywhere else, and once the trace is done, they are jax's own.
+Everywhere else, and once the trace is done, they are jax's own. A step that bound the
+names before the trace (`from jax import grad, value_and_grad`) holds jax's own functions:
+their gradient is found one level down, where jax's `value_and_grad_f` calls `vjp`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
+import sys
+import types
 from typing import Any, Callable, Iterator
 
 import jax
@@ -28,6 +33,23 @@ _ACTIVE: contextvars.ContextVar[auto_grad.Context | None] = contextvars.ContextV
     "hbm_guard_auto", default=None)
 _SWAP = swap.WhileTracing()
 _ORIGINAL = {"value_and_grad": jax.value_and_grad, "grad": jax.grad}
+try:  # where jax's value_and_grad_f finds `vjp` (a global of its module, read at each call)
+  from jax._src import api as _jax_api  # pylint: disable=g-import-not-at-top  (not public)
+except ImportError:  # pragma: no cover  (a jax without it: bound names are not followed)
+  _jax_api = None
+_API_SWAP = swap.WhileTracing()
+
+
+def _nested_code(fun: Callable, name: str) -> types.CodeType | None:
+  """The code of the function `name` defined inside `fun` (None where jax moved it)."""
+  code = getattr(inspect.unwrap(fun), "__code__", None)
+  return next((c for c in (code.co_consts if code else ())
+               if isinstance(c, types.CodeType) and c.co_name == name), None)
+
+
+_VALUE_AND_GRAD_F = _nested_code(_ORIGINAL["value_and_grad"], "value_and_grad_f")
+_FOLLOW_BOUND = _jax_api is not None and _VALUE_AND_GRAD_F is not None and hasattr(
+    _jax_api, "vjp")
 
 
 @contextlib.contextmanager
@@ -38,7 +60,9 @@ def intercepting(ctx: auto_grad.Context | None) -> Iterator[None]:
     return
   token = _ACTIVE.set(ctx)
   try:
-    with _SWAP.swapped(jax, {"value_and_grad": _value_and_grad, "grad": _grad}):
+    with _SWAP.swapped(jax, {"value_and_grad": _value_and_grad, "grad": _grad}), (
+        _API_SWAP.swapped(_jax_api, {"vjp": _vjp}) if _FOLLOW_BOUND
+        else contextlib.nullcontext()):
       yield
   finally:
     _ACTIVE.reset(token)
@@ -82,6 +106,28 @@ def _grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
     out, g = vg(*args, **kwargs)
     return (g, out[1]) if has_aux else g
   return grad_once
+
+
+def _vjp(fun: Callable, *primals, **kw):
+  """jax's `vjp`, except where jax's own `value_and_grad_f` calls it during a guard's trace:
+  a `value_and_grad` or `grad` the step bound before the trace, whose call (read from that
+  frame: the user's function, argnums, arguments) is then the intercepted one's."""
+  own = _API_SWAP.original("vjp")
+  caller = sys._getframe(1)  # pylint: disable=protected-access
+  if _ACTIVE.get() is None or caller.f_code is not _VALUE_AND_GRAD_F:
+    return own(fun, *primals, **kw)
+  try:
+    call = caller.f_locals
+    argnums, has_aux = call["argnums"], call["has_aux"]
+    vg = _value_and_grad(call["fun"], argnums, has_aux=has_aux,
+                         holomorphic=call["holomorphic"], allow_int=call["allow_int"])
+    args, kwargs = call["args"], call["kwargs"]
+  except KeyError:  # pragma: no cover  (jax renamed them: its own gradient)
+    return own(fun, *primals, **kw)
+  out, g = vg(*args, **kwargs)
+  grads = (g,) if isinstance(argnums, int) else tuple(g)
+  pullback = lambda _: grads  # noqa: E731  (value_and_grad_f pulls back its one cotangent)
+  return (out[0], pullback, out[1]) if has_aux else (out, pullback)
 
 
 @dataclasses.dataclass(frozen=True)
