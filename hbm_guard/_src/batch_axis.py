@@ -5,7 +5,11 @@ Each value of a flat loss program gets a tag:
 - `Batched(axis)`: per example; the batch is the major factor of `axis`;
 - `SUM`: an additive sum over the batch (the microbatches' values add up to the batch's);
 - `COMBINED`: computed from sums (a mean, `sum(l * w) / sum(w)`): evaluated once, from
-  the whole batch's sums.
+  the whole batch's sums;
+- `Position(axes)`: made from the batch's size, not from the batch (`jnp.arange(n)`): it
+  counts the examples, and a microbatch counts from 0 again, so per-example work that
+  reads it (a weight, a mask, `x[jnp.arange(n), y]`) is refused. Along an axis other than
+  the batch's (a sequence as long as the batch) it is a constant.
 Where examples interact — a batch statistic feeding per-example work (BatchNorm), examples
 paired with examples (in-batch negatives), a maximum over the batch — `NotSplittable` says
 where, so the guard can say why it did not split.
@@ -30,6 +34,11 @@ class Batched:
   axis: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Position:
+  axes: frozenset[int]
+
+
 class Reduced(enum.Enum):
   SUM = "sum"
   COMBINED = "combined"
@@ -46,12 +55,16 @@ _UNITS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr
                     "remat", "custom_lin"})
 
 
-def analyse(prog: flat.Program, batched: dict[Any, int], batch: int) -> dict[Any, Any]:
-  """Tags of every value of `prog`, given the batch inputs' axes; raises NotSplittable."""
-  tags: dict[Any, Any] = {v: Batched(a) for v, a in batched.items()}
+def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int) -> dict[Any, Any]:
+  """Tags of every value of `prog`, given the batch inputs' axes (or tags); raises
+  NotSplittable."""
+  tags: dict[Any, Any] = {v: a if isinstance(a, (Batched, Position)) else Batched(a)
+                          for v, a in batched.items()}
   for e in prog.eqns:
     ins = [tags.get(v) if flat.is_var(v) else None for v in e.invars]
     if not any(t is not None for t in ins):
+      if e.primitive.name == "iota" and e.outvars[0].aval.shape[e.params["dimension"]] == batch:
+        tags[e.outvars[0]] = Position(frozenset({e.params["dimension"]}))
       continue
     for v, t in zip(e.outvars, _tag(e, ins, batch)):
       if t is not None:
@@ -70,6 +83,8 @@ def _shape(atom) -> tuple[int, ...]:
 
 
 def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
+  if any(isinstance(t, Position) for t in ins):
+    return _positional(e, ins, batch)
   n_out = len(e.outvars)
   has_b = any(isinstance(t, Batched) for t in ins)
   has_r = any(isinstance(t, Reduced) for t in ins)
@@ -87,6 +102,57 @@ def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
   if name == "while":
     raise NotSplittable(f"{_where(e)} loops over per-example values")
   return _elementwise(e, ins)
+
+
+def _positional(e: flat.Eqn, ins: list, batch: int) -> list:
+  """An op reading the examples' positions. With per-example values: refused where a
+  position lands where the batch does (a weight, a mask, an index by position), otherwise
+  the op is tagged as without them. Alone (or with batch sums: evaluated once, at the whole
+  batch): their axes are followed as a batch axis's would be, one at a time; an op that
+  moves them some other way lets them go."""
+  plain = [None if isinstance(t, Position) else t for t in ins]
+  if not any(isinstance(t, Batched) for t in plain):
+    return _tag(e, plain, batch) if any(t is not None for t in plain) else _follow(e, ins, batch)
+  joint = [Batched(min(t.axes)) if isinstance(t, Position) else t for t in ins]
+  try:
+    tagged = _tag(e, plain, batch)
+  except NotSplittable:
+    if _tag_or_none(e, joint, batch) is None:
+      raise
+    raise _read_positions(e) from None  # refused for where the positions go: say so
+  for ps in _one_position_each(ins):
+    moved = _tag_or_none(e, ps, batch) or ()
+    if any(t is not None and t == b for t, b in zip(moved, tagged)):
+      raise _read_positions(e)
+  return tagged
+
+
+def _tag_or_none(e: flat.Eqn, ins: list, batch: int) -> list | None:
+  try:
+    return _tag(e, ins, batch)
+  except NotSplittable:
+    return None
+
+
+def _one_position_each(ins: list):
+  for i, t in enumerate(ins):
+    for axis in sorted(t.axes) if isinstance(t, Position) else ():
+      yield [Batched(axis) if j == i else None for j in range(len(ins))]
+
+
+def _follow(e: flat.Eqn, ins: list, batch: int) -> list:
+  outs: list[set[int]] = [set() for _ in e.outvars]
+  for ps in _one_position_each(ins):
+    for out, t in zip(outs, _tag_or_none(e, ps, batch) or ()):
+      if isinstance(t, Batched):
+        out.add(t.axis)
+  return [Position(frozenset(o)) if o else None for o in outs]
+
+
+def _read_positions(e: flat.Eqn) -> NotSplittable:
+  return NotSplittable(f"{_where(e)} reads the examples' positions in the batch (from "
+                       f"`jnp.arange` over it; a microbatch counts from 0 again). To take "
+                       f"each example's entry, `jnp.take_along_axis` splits")
 
 
 def _reduced(e: flat.Eqn, ins: list) -> Reduced:
@@ -327,8 +393,8 @@ def _body(closed, ins: Sequence, batch: int) -> list:
   """Output tags of a unit's body (its operands carry no batch sums: see `_tag`)."""
   closed = closed if hasattr(closed, "jaxpr") else _Closed(closed)
   prog = flat.flatten(closed)
-  tags = analyse(prog, {v: t.axis for v, t in zip(prog.invars, ins) if isinstance(t, Batched)},
-                 batch)
+  tags = analyse(prog, {v: t for v, t in zip(prog.invars, ins)
+                       if isinstance(t, (Batched, Position))}, batch)
   return [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
 
 
