@@ -20,6 +20,7 @@ from flax import nnx
 from flax.training import train_state
 from jax import grad as bound_grad  # bound at import, as users' modules do: jax's own
 from jax import value_and_grad as bound_value_and_grad
+from jax._src import api as jax_api
 
 import hbm_guard
 from hbm_guard._src import backend as backend_lib
@@ -585,6 +586,8 @@ def test_jax_functions_are_jax_own_outside_and_in_other_threads():
 
   def step(state, batch):
     seen.append(jax.value_and_grad is own_vg)  # inside the guard's trace: intercepted
+    bound_value_and_grad(lambda x: x * 2.0, allow_int=True)(1.0)  # jax's own: no recursion
+    seen.append("allow_int")
     other = threading.Thread(target=lambda: seen.append(
         jax.value_and_grad(lambda x: x * 2.0)(1.0)[1] == 2.0))
     other.start()
@@ -593,8 +596,9 @@ def test_jax_functions_are_jax_own_outside_and_in_other_threads():
 
   jitted, _ = _built(step, plan_lib.Plan(), state, {"inputs": tokens})
   jitted.trace(state, {"inputs": tokens})
-  assert seen == [False, True]
+  assert seen == [False, "allow_int", True]
   assert jax.value_and_grad is own_vg and jax.grad is own_grad
+  assert jax_api.vjp is jax.vjp  # the bound names' hook, restored
 
 
 @pytest.mark.parametrize("differentiate", [bound_value_and_grad, bound_grad],

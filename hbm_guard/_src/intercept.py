@@ -118,13 +118,14 @@ def _vjp(fun: Callable, *primals, **kw):
     return own(fun, *primals, **kw)
   try:
     call = caller.f_locals
-    argnums, has_aux = call["argnums"], call["has_aux"]
-    vg = _value_and_grad(call["fun"], argnums, has_aux=has_aux,
-                         holomorphic=call["holomorphic"], allow_int=call["allow_int"])
+    fun_, argnums, has_aux = call["fun"], call["argnums"], call["has_aux"]
     args, kwargs = call["args"], call["kwargs"]
+    own_only = call["holomorphic"] or call["allow_int"]
   except KeyError:  # pragma: no cover  (jax renamed them: its own gradient)
     return own(fun, *primals, **kw)
-  out, g = vg(*args, **kwargs)
+  if own_only:  # as `_value_and_grad` does (which would call back here)
+    return own(fun, *primals, **kw)
+  out, g = _value_and_grad(fun_, argnums, has_aux=has_aux)(*args, **kwargs)
   grads = (g,) if isinstance(argnums, int) else tuple(g)
   pullback = lambda _: grads  # noqa: E731  (value_and_grad_f pulls back its one cotangent)
   return (out[0], pullback, out[1]) if has_aux else (out, pullback)
