@@ -107,19 +107,24 @@ def _train_both(step, guarded, state, batch, n=3):
   return state, ref_state, outs
 
 
-def _lm1b_guarded(tmp_path):
-  """The lm1b step guarded at a third of its donated peak: (step, state, batch, capacity)."""
+def _lm1b_guarded(tmp_path, state_from=None):
+  """The lm1b step guarded at a third of its donated peak: (step, state, batch, capacity).
+  Its state is `state_argnums=0`, or (`state_from`) the argument donated to jax.jit."""
   tokens = _tokens()
   state = _linen_state(tokens)
   batch = {"inputs": tokens}
   capacity = _donated_peak(lm1b_train_step, state, batch) // 3
-  step = hbm_guard.guarded_jit(lm1b_train_step, state_argnums=0, capacity=capacity,
+  state_from = state_from or {"state_argnums": 0}
+  step = hbm_guard.guarded_jit(lm1b_train_step, **state_from, capacity=capacity,
                                max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
   return step, state, batch, capacity
 
 
-def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path):
-  step, state, batch, capacity = _lm1b_guarded(tmp_path)
+@pytest.mark.parametrize("state_from", [{"state_argnums": 0}, {"donate_argnums": 0}])
+def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path, state_from):
+  """`donate_argnums=0` alone, as the step had it for jax.jit: before, the batch was taken
+  to be the parameters' commonest leading size, nothing split, and no plan fit."""
+  step, state, batch, capacity = _lm1b_guarded(tmp_path, state_from)
   state, ref_state, outs = _train_both(lm1b_train_step, step, state, batch)
   assert step.plan.microbatches > 1
   assert len(step.attempts) <= 3

@@ -255,8 +255,9 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
     max_attempts: most compiles per input signature (>= 1).
     ladder: a ladder JSON path or list of rungs; default `configs/ladder.json`.
     state_argnums: arguments the step replaces (state in, state out with the same
-      structure), which the guard may donate and shard. Never inferred: the caller may
-      still hold an argument the guard cannot see.
+      structure), which the guard may donate and shard. Default: the `donate_argnums`
+      given for `jax.jit` (what the caller has given up already); never inferred beyond
+      them: the caller may still hold an argument the guard cannot see.
     report_dir: where the post-mortem JSON goes (default $HBM_GUARD_REPORT_DIR or
       ./hbm_guard_reports); written atomically after every attempt.
     auto_fallback: False: diagnose, report, change nothing and raise (the compiler's own

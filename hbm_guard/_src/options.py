@@ -173,6 +173,8 @@ class GuardOptions:
     put("progress", _strict_bool("progress", self.progress))
     put("auto_plan_aware", _strict_bool("auto_plan_aware", self.auto_plan_aware))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))
+    if not self.state_argnums:  # what the caller donates to jax.jit, it has given up:
+      put("state_argnums", self.user_donate)  # the step's state (a drop-in's train state)
     plan = read_plan(self.plan)
     if plan is not None:
       plan = plan_trust.check(plan, rungs=self.ladder, max_class=self.max_class,
