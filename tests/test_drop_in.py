@@ -114,16 +114,18 @@ def _lm1b_guarded(tmp_path, state_from=None):
   state = _linen_state(tokens)
   batch = {"inputs": tokens}
   capacity = _donated_peak(lm1b_train_step, state, batch) // 3
-  state_from = state_from or {"state_argnums": 0}
+  state_from = {"state_argnums": 0} if state_from is None else state_from
   step = hbm_guard.guarded_jit(lm1b_train_step, **state_from, capacity=capacity,
                                max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
   return step, state, batch, capacity
 
 
-@pytest.mark.parametrize("state_from", [{"state_argnums": 0}, {"donate_argnums": 0}])
+@pytest.mark.parametrize("state_from", [{"state_argnums": 0}, {"donate_argnums": 0}, {}])
 def test_lm1b_step_unmodified_fits_and_trains_like_plain_jit(tmp_path, state_from):
-  """`donate_argnums=0` alone, as the step had it for jax.jit: before, the batch was taken
-  to be the parameters' commonest leading size, nothing split, and no plan fit."""
+  """`donate_argnums=0` alone, as the step had it for jax.jit, or neither: before, the
+  batch was taken to be the parameters' commonest leading size, nothing split, and no plan
+  fit. Now the donated arguments are the state, and leaves shaped as the differentiated
+  parameters do not vote for the batch's size."""
   step, state, batch, capacity = _lm1b_guarded(tmp_path, state_from)
   state, ref_state, outs = _train_both(lm1b_train_step, step, state, batch)
   assert step.plan.microbatches > 1

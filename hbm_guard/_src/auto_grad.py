@@ -37,6 +37,7 @@ class Context:
   state_ids: frozenset[int]
   step_name: str = "step"
   mesh: Any = None  # the plan shards the batch over this mesh's "fsdp" axis (data parallel)
+  candidates: tuple = ()  # (leading size, shape, dtype) of each leaf that voted for the size
 
   def constraint(self, tags: dict) -> Callable[[Any, Any], Any] | None:
     """Keeps per-example values sharded on their batch axis (data parallel), so the
@@ -62,9 +63,19 @@ class Context:
              for x in jax.tree.leaves(a)] + jax.tree.leaves(kwargs)
     batch = [x for x in batch if getattr(x, "ndim", 0) >= 1 and not _is_key(x)]
     states = [x for i in state if i < len(args) for x in jax.tree.leaves(args[i])]
-    sizes = collections.Counter(int(x.shape[0]) for x in batch)
-    size = sizes.most_common(1)[0][0] if sizes else None
-    return cls(size, frozenset(map(id, states)), step_name, mesh)
+    candidates = tuple((int(x.shape[0]), tuple(x.shape), jnp.dtype(x.dtype)) for x in batch)
+    return cls(_commonest(candidates), frozenset(map(id, states)), step_name, mesh, candidates)
+
+  def beside(self, differentiated) -> "Context":
+    """The batch's size voted again without the leaves shaped as the differentiated ones:
+    a step whose state the guard was not told (no `state_argnums`) passes parameters and
+    optimizer moments, which outnumber the batch's leaves."""
+    shaped = {(tuple(x.shape), jnp.dtype(x.dtype)) for x in differentiated
+              if hasattr(x, "shape") and hasattr(x, "dtype")}
+    size = _commonest(tuple(c for c in self.candidates if c[1:] not in shaped))
+    if size is None or size == self.batch_size:
+      return self
+    return dataclasses.replace(self, batch_size=size)
 
   def is_batch(self, x) -> bool:
     """A batch leaf: the batch's leading size and not state (one of the step's own batch
@@ -72,6 +83,11 @@ class Context:
     return (self.batch_size is not None and getattr(x, "ndim", 0) >= 1
             and hasattr(x, "dtype") and x.shape[0] == self.batch_size
             and id(x) not in self.state_ids and not _is_key(x))
+
+
+def _commonest(candidates: tuple) -> int | None:
+  sizes = collections.Counter(n for n, _, _ in candidates)
+  return sizes.most_common(1)[0][0] if sizes else None
 
 
 def _is_key(x) -> bool:

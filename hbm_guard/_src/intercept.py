@@ -153,6 +153,8 @@ class Found:
 def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   """The gradient under the plan in force; jax's own where nothing applies."""
   before = plan_lib.reads_now()
+  ctx = ctx.beside([x for i in ((argnums,) if isinstance(argnums, int) else argnums)
+                    if i < len(args) for x in jax.tree.leaves(args[i])])
   try:
     t = auto_grad.trace(fun, argnums, args, kwargs, ctx)
   except Exception as e:  # pylint: disable=broad-except  (then jax's own, which raises its own)
