@@ -6,13 +6,16 @@ readings of the jaxpr:
   the family of `<name>_<n>` siblings covering most equations is the layers;
 - parameters: where no names are recorded (nnx), each layer reads its own parameters in
   the same pattern; the longest repeating pattern of parameter reads marks the layers;
-- a scan over parameters (`nn.scan`, `nnx.scan`): its body is one layer.
+- a scan over parameters (`nn.scan`, `nnx.scan`): its body is one layer;
+- one module applied again and again (ALBERT's shared block): its name does not change,
+  but the parameters it reads repeat, each repeat a layer.
 Of the readings found, the one whose layers read the most parameter elements is the stack:
 a final LayerNorm's scale and bias repeat one read twice, beside a scan of every layer.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import re
@@ -32,7 +35,8 @@ def segments(prog: flat.Program, indices: Sequence[int], params: Sequence[Any]
   named = _by_names(prog, indices)
   # (the repeated reads' search is quadratic in the reads: only where no names are recorded)
   readings = [r for r in (named if named[0] else _by_parameters(prog, indices, params),
-                          _scanned(prog, indices, params)) if r[0]]
+                          _scanned(prog, indices, params), _shared(prog, indices, params))
+              if r[0]]
   # max keeps the first of equals: names or repeated reads before a scan
   return max(readings, key=lambda r: _parameters_read(prog, r[0], params), default=([], None))
 
@@ -53,6 +57,42 @@ def _scanned(prog, indices, params):
     return [], None
   lengths = [prog.eqns[i].params.get("length") for i, _ in runs]
   return runs, f"{sum(lengths)} scanned layers (the body of {len(runs)} scan)"
+
+
+def _shared(prog, indices, params):
+  """A module applied again and again with the same parameters: under its name, the
+  sequence of its parameter reads (each with its op) is one application's, repeated. Each
+  application runs from its first read to its module's last equation before the next (a
+  module shared by the layers, as a position bias, is not the layers). Of such modules,
+  the one whose applications read the most parameter elements."""
+  reads: dict = collections.defaultdict(list)  # module path -> [(equation, (op, parameter))]
+  members: dict = collections.defaultdict(list)  # module path -> its equations
+  for i in indices:
+    eqn = prog.eqns[i]
+    read = [(eqn.primitive.name, v) for v in eqn.invars if flat.is_var(v) and v in params]
+    parts = eqn.name_stack.split("/") if eqn.name_stack else []
+    for d in range(1, len(parts) + 1):
+      members[tuple(parts[:d])].append(i)
+      reads[tuple(parts[:d])] += [(i, r) for r in read]
+  found = []
+  for path, seq in reads.items():
+    period = _period([r for _, r in seq])
+    if period is None:
+      continue
+    starts = [seq[r * period][0] for r in range(len(seq) // period)]
+    ends = [members[path][bisect.bisect_left(members[path], nxt) - 1] + 1 for nxt in starts[1:]]
+    found.append((list(zip(starts, ends + [members[path][-1] + 1])),
+                  f"{'/'.join(path)} applied {len(starts)} times (by repeated parameters)"))
+  return max(found, key=lambda r: _parameters_read(prog, r[0], params), default=([], None))
+
+
+def _period(items: list) -> int | None:
+  """The shortest period that repeats `items` whole, at least twice (None if none)."""
+  n = len(items)
+  for p in range(1, n // _MIN_LAYERS + 1):
+    if n % p == 0 and all(items[j] == items[j + p] for j in range(n - p)):
+      return p
+  return None
 
 
 def _by_names(prog, indices):
