@@ -7,6 +7,7 @@ batch, the token-weighted `sum(l * w) / sum(w)` with padded rows) and nnx's
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -676,6 +677,14 @@ def test_analysis_follows_the_batch_through_the_loss():
   assert _tags(positions, square, w) == [batch_axis.SUM]
   causal = lambda x, w: jnp.sum(jnp.tril(jnp.ones((8, 8))) @ x @ w)
   assert _tags(causal, square, w) == [batch_axis.SUM]
+  assert _tags(functools.partial(_chunked_loss, start=0.0), x, w) == [batch_axis.SUM]
+
+
+def _chunked_loss(x, w, start=0.0):
+  """A loss summed chunk by chunk of the sequence in a scan (a large vocabulary's way)."""
+  chunks = jnp.swapaxes(x.reshape(x.shape[0], 2, -1, x.shape[-1]), 0, 1)
+  total, _ = jax.lax.scan(lambda acc, c: (acc + jnp.sum(jnp.tanh(c @ w)), None), start, chunks)
+  return total
 
 
 @pytest.mark.parametrize("loss, where", [
@@ -690,6 +699,8 @@ def test_analysis_follows_the_batch_through_the_loss():
      "positions"),
     (lambda x, w: jnp.sum((x @ w)[jnp.arange(8), 0]), "across examples"),
     (lambda x, w: jnp.arange(8.0) @ (x @ w).sum((1, 2)), "positions"),
+    # a running sum from 1.0: k microbatches would count the 1.0 k times
+    (functools.partial(_chunked_loss, start=1.0), "carry changes"),
 ])
 def test_analysis_refuses_where_examples_interact(loss, where):
   with pytest.raises(batch_axis.NotSplittable, match=where):
@@ -713,6 +724,21 @@ def test_a_loss_masked_by_the_examples_positions_is_not_split():
   (fact,) = facts.values()
   assert "positions in the batch" in fact.auto_refused
   assert _rel(got, jax.jit(step)(w, x, n_valid)) < 1e-6
+
+
+def test_a_loss_summed_chunk_by_chunk_in_a_scan_splits_exactly():
+  """Before, the scan's running sum was refused ("its carry changes how it holds the
+  batch"): no microbatch plan for a loss written to save memory."""
+  def step(w, x):
+    loss, g = jax.value_and_grad(lambda w: _chunked_loss(x, w) / x.shape[0])(w)
+    return w - 0.1 * g, loss
+
+  w, x = jnp.ones((6, 3)) / 6, jnp.arange(384.0).reshape(16, 4, 6) / 384
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, x)
+  got = jitted(w, x)
+  (fact,) = facts.values()
+  assert fact.auto_refused is None and "exact" in fact.auto
+  assert _rel(got, jax.jit(step)(w, x)) < 1e-6
 
 
 def test_a_loss_that_divides_by_the_batch_size_per_example_is_not_split():

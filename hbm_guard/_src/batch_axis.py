@@ -22,6 +22,8 @@ import enum
 import math
 from typing import Any, Sequence
 
+import numpy as np
+
 from hbm_guard._src import jaxpr_flat as flat
 
 
@@ -58,7 +60,7 @@ _UNITS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr
 def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int) -> dict[Any, Any]:
   """Tags of every value of `prog`, given the batch inputs' axes (or tags); raises
   NotSplittable."""
-  tags: dict[Any, Any] = {v: a if isinstance(a, (Batched, Position)) else Batched(a)
+  tags: dict[Any, Any] = {v: a if isinstance(a, (Batched, Position, Reduced)) else Batched(a)
                           for v, a in batched.items()}
   for e in prog.eqns:
     ins = [tags.get(v) if flat.is_var(v) else None for v in e.invars]
@@ -394,7 +396,7 @@ def _body(closed, ins: Sequence, batch: int) -> list:
   closed = closed if hasattr(closed, "jaxpr") else _Closed(closed)
   prog = flat.flatten(closed)
   tags = analyse(prog, {v: t for v, t in zip(prog.invars, ins)
-                       if isinstance(t, (Batched, Position))}, batch)
+                       if isinstance(t, (Batched, Position)) or t is SUM}, batch)
   return [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
 
 
@@ -421,17 +423,41 @@ def _scan(e: flat.Eqn, ins: list, batch: int) -> list:
     x_tags.append(Batched(t.axis - 1) if isinstance(t, Batched) else t)
   if any(isinstance(t, Reduced) for t in ins):
     raise NotSplittable(f"{_where(e)} carries a batch sum")
-  for _ in range(3):
+  # A carry that sums from a literal zero (a loss summed chunk by chunk) adds up over the
+  # microbatches as the whole batch's; one from any other start would count it k times.
+  from_zero = [_is_zero(a) for a in e.invars[n_consts:n_consts + n_carry]]
+  for _ in range(n_carry + 3):
     outs = _body(p["jaxpr"], [*consts, *carry, *x_tags], batch)
-    new_carry = [a if a is not None else b for a, b in zip(outs[:n_carry], carry)]
-    if any(isinstance(t, Reduced) for t in new_carry) or any(
-        a is not None and b is not None and a != b for a, b in zip(outs[:n_carry], carry)):
-      raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
+    new_carry = [_carried(e, a, b, zero) for a, b, zero in zip(outs[:n_carry], carry, from_zero)]
     if new_carry == list(carry):
       break
     carry = new_carry
+  else:
+    raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
   ys = [Batched(t.axis + 1) if isinstance(t, Batched) else t for t in outs[n_carry:]]
   return _no_combined(e, [*carry, *ys])
+
+
+def _is_zero(atom) -> bool:
+  if flat.is_var(atom):
+    return False
+  try:
+    return not np.any(np.asarray(flat.read(atom, {})))
+  except Exception:  # pylint: disable=broad-except  (not a concrete constant)
+    return False
+
+
+def _carried(e, out, before, from_zero: bool):
+  """A scan carry's tag for the next pass over the body: as before, or what the body made
+  of it; a batch sum only where it starts from zero and stays a sum."""
+  if before is None and from_zero and isinstance(out, Reduced):
+    return SUM  # try it as a running sum: the next pass says whether it stays one
+  if before is SUM and out is SUM:
+    return SUM
+  if isinstance(out, Reduced) or before is SUM or (
+      out is not None and before is not None and out != before):
+    raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
+  return out if out is not None else before
 
 
 _RULES = {
