@@ -392,7 +392,8 @@ def _no_combined(e, outs):
 
 
 def _body(closed, ins: Sequence, batch: int) -> list:
-  """Output tags of a unit's body (its operands carry no batch sums: see `_tag`)."""
+  """Output tags of a unit's body. Its operands carry no batch sums (see `_tag`), except a
+  scan's running sum from zero (`_carried`)."""
   closed = closed if hasattr(closed, "jaxpr") else _Closed(closed)
   prog = flat.flatten(closed)
   tags = analyse(prog, {v: t for v, t in zip(prog.invars, ins)
