@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 import hbm_guard
 from hbm_guard._src import planner as planner_lib
 
@@ -132,7 +134,19 @@ def test_cheap_probes_still_bisect():
   planner = _dear_planner(per_probe=2.0, probes=probes)
   choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 8 and not planner.probes_are_dear
-  assert probes[0] == 16 and len(probes) >= 3 and 8 in probes  # confirmed by a probe
+  # The failure rules out 1 and 2; 4, the fewest it leaves, is probed first and does not
+  # fit; then the top and the midpoint above 4, and 8 is confirmed by its own probe.
+  assert probes == [4, 16, 8]
+
+
+def test_cheap_probes_stop_at_the_fewest_count_a_failure_leaves_if_it_fits():
+  probes = []
+  planner = _dear_planner(per_probe=2.0, probes=probes)
+  planner._capacity = 24 * 2**30  # pylint: disable=protected-access  (4: 20.5 GiB fits)
+  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  # 64 GiB unsplit bounds 2 at 32 GiB (over 1.3 x 24): 4 is the floor, and it fits, so
+  # neither the top nor a midpoint is probed (need falls with the count).
+  assert choice.plan.microbatches == 4 and probes == [4]
 
 
 def _flags_only_facts():
@@ -576,7 +590,27 @@ def test_a_count_its_familys_failure_bounds_far_over_the_capacity_is_not_probed(
   assert not planner.bounded_out(dataclasses.replace(donated, microbatches=8))  # 113 MiB
   choice = planner.choose([donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
   assert choice.plan.microbatches == 8
-  assert probed == [64, 8]  # before: [64, 8, 2, 4]
+  assert probed == [8]  # 4 and fewer are bounded out and 8 fits: no top (before: [64, 8])
+
+
+@pytest.mark.parametrize("width, started", [(2, [8]), (4, [8, 64])])
+def test_the_top_is_probed_beside_the_floor_only_where_a_core_is_left_over(width, started):
+  # The README job's figures, probes side by side: on two cores the floor alone (the top
+  # would slow it), on more the top beside it, ready if the floor does not fit.
+  figures = {64: 61.15, 32: 62.0, 16: 63.0, 8: 67.34, 4: 155.04, 2: 336.5, 1: 657.0}
+  starts = []
+  def start_probes(plans):
+    starts.append(sorted(p.microbatches for p in plans))
+    return [lambda p=p: (int(figures[p.microbatches] * MiB), 1.0) for p in plans]
+  planner = planner_lib.Planner(lambda p: 1 / 0, lambda plan: 1e9, capacity=96 * MiB,
+                                scale=planner_lib.PROBE_SCALE, start_probes=start_probes,
+                                width=width)
+  planner.state_bytes = int(36.9 * MiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=1.8)
+  donated = hbm_guard.Plan(donate_argnums=(0,))
+  choice = planner.choose([donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+  assert choice.plan.microbatches == 8 and starts[0] == started
+  assert [p.plan.microbatches for p in planner.probes] == [8]  # the top, if started: unread
 
 
 def test_a_top_count_without_a_figure_is_searched_below_for_every_family():
@@ -604,7 +638,8 @@ def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():
   """Need falls with the count, except where a microbatch of one example pads (a ViT's
   2.12 GiB at 64 of 64 against 671 MiB at 32, its unsplit step's compile 1.66 GiB): a top
   figure above a real compile of fewer microbatches gets the count below measured; a top
-  figure under it that does not fit gives the family up without another probe."""
+  figure under it that does not fit gives the family up without another probe (after the
+  fewest count the failure leaves, 2, read first as the likeliest answer)."""
   def run(top_mib):
     probed = []
     def probe(plan):
@@ -617,4 +652,4 @@ def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():
     return count, probed
   count, probed = run(top_mib=212)  # above the unsplit step's real 166: not need's fall
   assert count == 4 and 4 in probed  # 100 MiB at 2 is over 95; 70 at 4
-  assert run(top_mib=150) == (None, [8])  # under 166 and over 95: the family cannot fit
+  assert run(top_mib=150) == (None, [2, 8])  # under 166 and over 95: the family cannot fit

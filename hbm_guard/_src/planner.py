@@ -8,7 +8,9 @@ backend without that check (capacity= on CPU) a probe is a full compile, which i
 there. Need falls with the microbatch count, so the smallest count predicted to fit is
 found by bisection over the divisors of the batch, per family (remat policy x offload),
 or where probes are dear by two figures of `F + P / k`; a family's first two probes are
-started together, beside the pricing. Compute cost (the step's flop count, +1% per extra
+started together, beside the pricing. Where a failure's figure rules out the lower half
+of the counts, the fewest it leaves is probed first (the top beside it only where a core
+is left over): if it fits, it is the answer. Compute cost (the step's flop count, +1% per extra
 microbatch, plus the host transfers of offload) orders the families; the cheapest plan
 predicted to fit is compiled for real, and every real figure recalibrates the probe's scale.
 Where probes are dear and compiles run side by side, nothing is probed: the cheapest
@@ -124,7 +126,7 @@ class Planner:
     # A real compile started beside the probes (decisive plans): read as (figure, s, fits)
     self._start_compile = start_compile if self.side_by_side else None
     self._compiling: dict[plan_lib.Plan, Callable[[], tuple[int | None, float, bool]]] = {}
-    self.width = max(1, width)  # compiles a race keeps running side by side
+    self.width = max(1, width)  # probes, or a race's compiles, run side by side
     self.fit_by_compile: set[plan_lib.Plan] = set()  # plans a real compile here said fit
     self._compiled: set[plan_lib.Plan] = set()  # every plan compiled beside the probes
     self._pending: dict[plan_lib.Plan, Callable[[], tuple[int | None, float]]] = {}
@@ -180,8 +182,33 @@ class Planner:
     most = dataclasses.replace(family, microbatches=counts[-1]) if counts else None
     if most is None or self.ruled_out(most):
       return  # (the 368M step's exhaustion: a 2-s lowering and a dear probe, never read)
+    floor = self._floor(family, counts)
+    if floor is not None:
+      # The answer if it fits. The top is read only if it does not: started beside it where
+      # a core is left over (on two, it slowed the README job's fit by 0.3 s: 10.25 s, not
+      # 9.96, the median of four each).
+      self.prefetch([floor, most] if self.width > 2 else [floor])
+      return
     self.prefetch(first_probes(family, counts, self.probes_are_dear,
                                bool(self._anchors(family, counts[-1]))))
+
+  def _floor(self, family: plan_lib.Plan, counts: Sequence[int]) -> plan_lib.Plan | None:
+    """Where probes are cheap: the family's fewest microbatches that real figures leave
+    possible, where they rule out the lower half of the counts (up to the bisection's first
+    midpoint) and it is not the most. Need falls with the count, so if it fits it is the
+    bisection's answer and the top's probe is not needed (the README job: its failed
+    compile rules out 4 and fewer, and 8 fits; one probe, not two, on two cores). Where
+    fewer are ruled out the floor is a long shot (t5 of bench_models: 2 of 64, 2.5 GiB of
+    2): the bisection starts at the top and the midpoint, as without."""
+    if self.probes_are_dear or len(counts) < 2:
+      return None
+    plans = [dataclasses.replace(family, microbatches=k) for k in counts
+             if k not in self.unmeasured]
+    middle = counts[(len(counts) - 1) // 2]
+    for i, plan in enumerate(plans[:-1]):
+      if not self.ruled_out(plan):
+        return plan if i > 0 and plan.microbatches >= middle else None
+    return None
 
   def observe(self, plan: plan_lib.Plan, real_bytes: int | None, fits: bool,
               seconds: float | None = None):
@@ -279,6 +306,15 @@ class Planner:
     if decisive and self._compile_beside(most):
       return _bisect_below_compiled(self, family, counts)
     self._prefetch_family(family, counts)
+    floor = self._floor(family, counts)
+    if floor is not None:
+      floor_need = self.need(floor)
+      if self.fits(floor_need):
+        return floor.microbatches
+      if floor_need is None:
+        self.unmeasured.add(floor.microbatches)
+      counts = [k for k in counts if k > floor.microbatches]  # the floor and all below: out
+      self._prefetch_family(family, counts)  # the top, and the midpoint above the floor
     need = self.need(most)
     for _ in range(MAX_PASSED_OVER):
       if len(counts) < 2 or not self._passed_over(most, need):

@@ -6,9 +6,10 @@ Once the compile has run long enough that a failure would make probes dear
 prices the other families (a trace each). At 368M parameters on v5e:1x1 that is ~30 s of
 a core beside a failing compile of ~30 s: the fit spent 25-28 s between its two compiles,
 against 49 s without. Where probes run side by side (more than one core), it starts at
-once with the probes a quick failure would read first, each only if it can be lowered
-before the failure would count as slow (the README job: its first compile fails 1.3 s
-after lowering, and its first probes were lowered meanwhile). The thread traces as the
+once with what a quick failure would read first (a probe, the other families' prices,
+another probe), each only if it can be made before the failure would count as slow (the
+README job: its first compile fails 1.0 s after lowering; its first probe was lowered and
+its families priced meanwhile). The thread traces as the
 caller's thread would (thread_context) and starts no new job once the compile is done:
 what it made is read by the planner (a probe being lowered is waited for, not lowered
 twice), and goes with the fit. Nothing waits for it if the compile fits.
@@ -80,21 +81,30 @@ class Preparation:
       self.backend.unstage()  # the fit ended while the last job ran: nothing will read it
 
   def _quick_opening(self, step_facts: ladder_lib.StepFacts, started: float) -> None:
-    """The probes a quick failure reads first, each lowered only if it would be ready
-    before the compile counts as slow (so a slow one's own opening is not delayed)."""
+    """What a quick failure reads first, each made only if it would be ready before the
+    compile counts as slow (so a slow one's own opening is not delayed): the midpoint's
+    probe, the answer where the failure rules out fewer; the other families' prices, which
+    every choice reads; then the top's probe, read only if the midpoint does not fit (the
+    README job: priced before its failure, not beside its first probe, on two cores)."""
     if time.perf_counter() - started >= AFTER_SECONDS:
       return
-    o = self.options
-    probes, _ = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear=False)
+    o, n = self.options, len(self.backend.devices())
+    probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class,
+                                         dear=False)
+    stage = lambda p: functools.partial(self.backend.stage, p, self.key, self.args,  # noqa: E731
+                                        self.kwargs)
+    price = lambda f: functools.partial(self.step.flops, f, self.args, self.kwargs, n)  # noqa: E731
+    jobs = ([("lowered " + p.describe(), stage(p)) for p in probes[1:]]
+            + [("priced " + f.describe(), price(f)) for f in others]
+            + [("lowered " + p.describe(), stage(p)) for p in probes[:1]])
     last = 0.0
-    for p in probes:
+    for what, job in jobs:
       t0 = time.perf_counter()
       if self._stopped.is_set() or t0 + last - started >= AFTER_SECONDS:
         return
-      self.backend.stage(p, self.key, self.args, self.kwargs)
-      self.done.append("lowered " + p.describe())
-      logging.debug("hbm_guard: prepared: lowered %s (%.1f s)", p.describe(),
-                    time.perf_counter() - t0)
+      job()
+      self.done.append(what)
+      logging.debug("hbm_guard: prepared: %s (%.1f s)", what, time.perf_counter() - t0)
       last = time.perf_counter() - t0
 
   def _step_facts(self, facts: compile_lib.TraceFacts) -> ladder_lib.StepFacts:
