@@ -1,6 +1,7 @@
 """The planner's probe calibration: a prior until real compiles measure how low probes run."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -347,6 +348,36 @@ def _readme_planner(figures, fits_by_compile, rounds, compiled, capacity=96 * Mi
 
 _README_FIGURES = {None: {1: 682, 2: 336.5, 4: 155.04, 8: 67.34, 16: 64, 32: 62, 64: 61.15},
                    "dots": {1: 300, 2: 138.54, 4: 61.65, 8: 61.9, 16: 61, 32: 60.6, 64: 60.48}}
+
+
+def test_while_the_floor_is_probed_the_next_familys_decisive_compile_is_lowered():
+  # The README job: its failure (682.37 MiB, 36.9 of state) leaves 8 as the plain family's
+  # floor. If 8 fits, it bounds the remat family to 1, 2 and 4, and remat at 4 is then
+  # compiled beside the probe of 2: it is lowered while 8 is probed, not after.
+  events = []
+  def start_probes(plans):
+    events.append(("probe", [(p.remat_policy, p.microbatches) for p in plans]))
+    def read(p):
+      events.append(("read", p.remat_policy, p.microbatches))
+      return int(_README_FIGURES[p.remat_policy][p.microbatches] * MiB), 1.0
+    return [functools.partial(read, p) for p in plans]
+  def start_compile(plan):
+    events.append(("compile", plan.remat_policy, plan.microbatches))
+    return lambda: (int(61.65 * MiB), 7.0, True)
+  def lower(plan):
+    events.append(("lower", plan.remat_policy, plan.microbatches))
+  flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
+  planner = planner_lib.Planner(
+      lambda p: start_probes([p])[0]()[0], flops, capacity=96 * MiB, scale=1.3,
+      start_probes=start_probes, side_by_side=True, start_compile=start_compile,
+      stage_ahead=lower)
+  planner.state_bytes = int(36.9 * MiB)
+  planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=1.0)
+  choice = planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+                          [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+  assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
+  assert events[:4] == [("probe", [(None, 8)]), ("lower", "dots", 4), ("read", None, 8),
+                        ("compile", "dots", 4)]
 
 
 def test_the_decisive_plan_is_compiled_beside_the_probes_not_probed():

@@ -305,6 +305,27 @@ def test_probes_started_in_a_pool_read_what_probes_one_by_one_do(v5e_devices):
 
 
 @pytest.mark.real_compiler
+def test_a_plan_lowered_ahead_in_its_own_thread_is_the_lowering_its_compile_uses(
+    v5e_devices, monkeypatch):
+  # The planner lowers a likely compile while a probe runs (the README job's remat at 4,
+  # while its floor was probed): the compile asked for then waits for that lowering, under
+  # the caller's mesh and config, and does not lower again.
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 256), jnp.float32)
+  target = _backend(target="v5e:1x1")
+  key = target.step.key((w, x), {})
+  threads = []
+  lower = backend_lib.TargetBackend._lower  # pylint: disable=protected-access
+  monkeypatch.setattr(backend_lib.TargetBackend, "_lower", lambda self, *a: threads.append(
+      threading.current_thread().name) or lower(self, *a))
+  plan = hbm_guard.Plan(donate_argnums=(0,))
+  target.stage_ahead(plan, key, (w, x), {})
+  target.stage_ahead(plan, key, (w, x), {})  # staged already: not lowered twice
+  trial = target.staged_compile(plan, key, (w, x), {})()
+  assert trial.outcome is Outcome.FITS and threads == ["hbm_guard-lower"]
+
+
+@pytest.mark.real_compiler
 def test_a_targets_compile_prices_its_plan_from_its_own_trace(v5e_devices, monkeypatch):
   # A target's lowering cannot be costed ("implemented for a PjRt-compatible backend
   # only"); its jaxpr can be counted: the failed compile's trace prices its family (donation

@@ -403,7 +403,10 @@ class Fit:
           headroom=o.headroom, start_probes=self._start_probes,
           side_by_side=_probe_workers() > 1 and hasattr(self.backend, "staged_probe"),
           start_compile=(self._start_compile if hasattr(self.backend, "staged_compile")
-                         else None), width=_probe_workers())
+                         else None), width=_probe_workers(),
+          stage_ahead=(functools.partial(self.backend.stage_ahead, key=self.key,
+                                         args=self.args, kwargs=self.kwargs)
+                       if hasattr(self.backend, "stage_ahead") else None))
     self._last = (plan, facts)
     self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
     try:

@@ -10,7 +10,8 @@ found by bisection over the divisors of the batch, per family (remat policy x of
 or where probes are dear by two figures of `F + P / k`; a family's first two probes are
 started together, beside the pricing. Where a failure's figure rules out the lower half
 of the counts, the fewest it leaves is probed first (the top beside it only where a core
-is left over): if it fits, it is the answer. Compute cost (the step's flop count, +1% per extra
+is left over): if it fits, it is the answer, and the compile that answer makes decisive in
+the next family is lowered while it is probed. Compute cost (the step's flop count, +1% per extra
 microbatch, plus the host transfers of offload) orders the families; the cheapest plan
 predicted to fit is compiled for real, and every real figure recalibrates the probe's scale.
 Where probes are dear and compiles run side by side, nothing is probed: the cheapest
@@ -119,13 +120,16 @@ class Planner:
                side_by_side: bool = False,
                start_compile: Callable[[plan_lib.Plan],
                                        Callable[[], tuple[int | None, float, bool]]] | None = None,
-               width: int = 2):
+               width: int = 2,
+               stage_ahead: Callable[[plan_lib.Plan], None] | None = None):
     self._probe, self._flops, self._capacity = probe, flops, capacity
     self._start = start_probes  # probes started at once; each waited for when read
     self.side_by_side = side_by_side and start_probes is not None  # they run in parallel
     # A real compile started beside the probes (decisive plans): read as (figure, s, fits)
     self._start_compile = start_compile if self.side_by_side else None
     self._compiling: dict[plan_lib.Plan, Callable[[], tuple[int | None, float, bool]]] = {}
+    # Lowers a plan in the background, for a compile that may start beside the probes
+    self._stage_ahead = stage_ahead if self._start_compile is not None else None
     self.width = max(1, width)  # probes, or a race's compiles, run side by side
     self.fit_by_compile: set[plan_lib.Plan] = set()  # plans a real compile here said fit
     self._compiled: set[plan_lib.Plan] = set()  # every plan compiled beside the probes
@@ -417,15 +421,16 @@ class Planner:
     for i, family in enumerate(priced):
       if best is not None and self.cost(family, offload_bytes) >= best.cost:
         break  # every plan of this family costs more than the best already found
-      worth = [k for k in counts if k not in self.unmeasured and (best is None or self.cost(
-          dataclasses.replace(family, microbatches=k), offload_bytes) < best.cost)]
+      worth = self._worth(family, counts, best and best.cost, offload_bytes)
+      if best is None:
+        self._lower_ahead(family, worth, priced[i + 1:], counts, offload_bytes)
       # Its most microbatches is the choice if no fewer fit: where a fitting plan bounds
       # the counts (the likeliest to fit is then just cheaper than it), and no later family
       # offers anything cheaper.
-      decisive = bool(worth) and (best is not None and all(
-          self.cost(dataclasses.replace(f, microbatches=counts[0]), offload_bytes)
-          >= self.cost(dataclasses.replace(family, microbatches=worth[-1]), offload_bytes)
-          for f in priced[i + 1:]) or program(  # or its compile was started ahead
+      decisive = bool(worth) and (
+          best is not None and self._undercuts(family, worth, priced[i + 1:], counts,
+                                               offload_bytes)
+          or program(  # or its compile was started ahead
               dataclasses.replace(family, microbatches=worth[-1])) in self._compiling)
       ahead = functools.partial(self._compile_ahead, priced[i + 1:], counts, offload_bytes)
       k = self.smallest_count(family, worth, decisive, ahead)
@@ -444,6 +449,40 @@ class Planner:
                        f"cheapest predicted to fit: probe {need} bytes x {self.scale:.2f} <= "
                        f"{self.headroom} x {self._capacity}; ") + f"cost {cost:.3g} flops")
     return best
+
+  def _worth(self, family: plan_lib.Plan, counts: Sequence[int], best_cost: float | None,
+             offload_bytes: int) -> list[int]:
+    """The counts of `family` worth searching: measurable, and cheaper than the best."""
+    return [k for k in counts if k not in self.unmeasured and (best_cost is None or self.cost(
+        dataclasses.replace(family, microbatches=k), offload_bytes) < best_cost)]
+
+  def _undercuts(self, family: plan_lib.Plan, worth: Sequence[int],
+                 later: Sequence[plan_lib.Plan], counts: Sequence[int],
+                 offload_bytes: int) -> bool:
+    """Whether `family` at its most worthwhile count costs no more than any plan of the
+    later families: then, if no fewer fit, that plan is the choice."""
+    top = self.cost(dataclasses.replace(family, microbatches=worth[-1]), offload_bytes)
+    return all(self.cost(dataclasses.replace(f, microbatches=counts[0]), offload_bytes) >= top
+               for f in later)
+
+  def _lower_ahead(self, family: plan_lib.Plan, counts: Sequence[int],
+                   later: Sequence[plan_lib.Plan], all_counts: Sequence[int],
+                   offload_bytes: int) -> None:
+    """While the first family's floor is probed: lowers the compile the next family would
+    start beside its probes if the floor fits (it then bounds that family's counts, and
+    the plan at the most of them is decisive). The README job: the floor, donate +
+    microbatch(8), was read after 1.2 s of an idle core, and the remat family's
+    microbatch(4) was then lowered for 0.5 s before its compile began."""
+    floor = self._floor(family, counts) if self._stage_ahead and later else None
+    if floor is None or program(floor) not in self._pending:
+      return  # no floor, or its figure is in: the choice follows at once
+    nxt, rest = later[0], later[1:]
+    worth = self._worth(nxt, all_counts, self.cost(floor, offload_bytes), offload_bytes)
+    if not worth or not self._undercuts(nxt, worth, rest, all_counts, offload_bytes):
+      return
+    plan = dataclasses.replace(nxt, microbatches=worth[-1])
+    if not self.ruled_out(plan) and program(plan) not in self._compiling:
+      self._stage_ahead(plan)
 
   # -- the race (dear probes, compiles side by side) ----------------------------------------
 
