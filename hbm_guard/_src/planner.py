@@ -202,8 +202,9 @@ class Planner:
     midpoint) and it is not the most. Need falls with the count, so if it fits it is the
     bisection's answer and the top's probe is not needed (the README job: its failed
     compile rules out 4 and fewer, and 8 fits; one probe, not two, on two cores). Where
-    fewer are ruled out the floor is a long shot (t5 of bench_models: 2 of 64, 2.5 GiB of
-    2): the bisection starts at the top and the midpoint, as without."""
+    fewer are ruled out the floor is a long shot (t5 of bench_models: its floor, 2 of up to
+    64 microbatches, needs 2.5 GiB of 2): the bisection starts at the top and the
+    midpoint, as without."""
     if self.probes_are_dear or len(counts) < 2:
       return None
     plans = [dataclasses.replace(family, microbatches=k) for k in counts

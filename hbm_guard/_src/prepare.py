@@ -83,9 +83,10 @@ class Preparation:
   def _quick_opening(self, step_facts: ladder_lib.StepFacts, started: float) -> None:
     """What a quick failure reads first, each made only if it would be ready before the
     compile counts as slow (so a slow one's own opening is not delayed): the midpoint's
-    probe, the answer where the failure rules out fewer; the other families' prices, which
-    every choice reads; then the top's probe, read only if the midpoint does not fit (the
-    README job: priced before its failure, not beside its first probe, on two cores)."""
+    probe (the likely answer where the failure rules out the counts below it); the other
+    families' prices, which every choice reads; then the top's probe, read only if the
+    midpoint does not fit (the README job: priced before its failure, not beside its
+    first probe, on two cores)."""
     if time.perf_counter() - started >= AFTER_SECONDS:
       return
     o, n = self.options, len(self.backend.devices())
