@@ -329,34 +329,24 @@ class TargetBackend(_Base):
   def stage(self, plan, key, args, kwargs) -> None:
     """Lowers a probe of `plan` now (in a thread beside another compile), to be compiled
     when asked for; a probe asked for while this runs waits for it."""
-    future = self._reserve(plan, key)
-    if future is not None:
-      self._settle(future, plan, args, kwargs)
-
-  def stage_ahead(self, plan, key, args, kwargs) -> None:
-    """Lowers `plan` in a thread of its own, traced as this thread would: for a compile
-    that may start once a probe is read. A compile asked for meanwhile waits for it."""
-    future = self._reserve(plan, key)
-    if future is not None:
-      threading.Thread(target=thread_context.capture().run,
-                       args=(self._settle, future, plan, args, kwargs), daemon=True,
-                       name="hbm_guard-lower").start()
-
-  def _reserve(self, plan, key) -> concurrent.futures.Future | None:
-    """The future a lowering of `plan` settles, None if one is staged already."""
     at = (planner_lib.program(plan), key)
     if at in self._staged:
-      return None
+      return
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     self._staged[at] = future
-    return future
-
-  def _settle(self, future: concurrent.futures.Future, plan, args, kwargs) -> None:
     try:
       future.set_result(self._lower(plan, args, kwargs))
     except BaseException as e:  # pylint: disable=broad-except  (read by the probe)
       future.set_exception(e)
+
+  def stage_ahead(self, plan, key, args, kwargs) -> None:
+    """Lowers `plan` in a thread of its own, traced as this thread would: for a compile
+    that may start once a probe is read. A compile asked for meanwhile waits for it."""
+    at = (planner_lib.program(plan), key)
+    if at not in self._staged:
+      self._staged[at] = thread_context.submit(
+          functools.partial(self._lower, plan, args, kwargs), "hbm_guard-lower")
 
   def unstage(self) -> None:
     """Lets the lowerings not probed go (a fit is over)."""

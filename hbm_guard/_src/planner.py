@@ -179,22 +179,24 @@ class Planner:
     if todo and self._start is not None:
       self._pending.update(zip(todo, self._start(todo)))
 
-  def _prefetch_family(self, family: plan_lib.Plan, counts: Sequence[int]) -> None:
+  def _prefetch_family(self, family: plan_lib.Plan, counts: Sequence[int]
+                       ) -> plan_lib.Plan | None:
     """The first figures a family's search reads, started together (and before the
     pricing): its top count, and where probes are dear the other count its model needs,
-    else the bisection's first midpoint."""
+    else the bisection's first midpoint; or its floor (`_floor`), which it returns."""
     most = dataclasses.replace(family, microbatches=counts[-1]) if counts else None
     if most is None or self.ruled_out(most):
-      return  # (the 368M step's exhaustion: a 2-s lowering and a dear probe, never read)
+      return None  # (the 368M step's exhaustion: a 2-s lowering and a dear probe, never read)
     floor = self._floor(family, counts)
     if floor is not None:
       # The answer if it fits. The top is read only if it does not: started beside it where
       # a core is left over (on two, it slowed the README job's fit by 0.3 s: 10.25 s, not
       # 9.96, the median of four each).
       self.prefetch([floor, most] if self.width > 2 else [floor])
-      return
+      return floor
     self.prefetch(first_probes(family, counts, self.probes_are_dear,
                                bool(self._anchors(family, counts[-1]))))
+    return None
 
   def _floor(self, family: plan_lib.Plan, counts: Sequence[int]) -> plan_lib.Plan | None:
     """Where probes are cheap: the family's fewest microbatches that real figures leave
@@ -310,8 +312,7 @@ class Planner:
       return None
     if decisive and self._compile_beside(most):
       return _bisect_below_compiled(self, family, counts)
-    self._prefetch_family(family, counts)
-    floor = self._floor(family, counts)
+    floor = self._prefetch_family(family, counts)
     if floor is not None:
       floor_need = self.need(floor)
       if self.fits(floor_need):

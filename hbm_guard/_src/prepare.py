@@ -70,11 +70,7 @@ class Preparation:
         for what, job in self._jobs(step_facts or self._step_facts(facts), started):
           if self._stopped.is_set():
             break
-          t0 = time.perf_counter()
-          job()
-          self.done.append(what)
-          logging.debug("hbm_guard: prepared: %s (%.1f s, %.1f s into the compile)", what,
-                        time.perf_counter() - t0, time.perf_counter() - started)
+          self._make(what, job, started)
     except Exception as e:  # pylint: disable=broad-except  (preparation, never the compile)
       logging.warning("hbm_guard: preparing the fallback failed: %r", e)
     if self._closed.is_set():
@@ -89,24 +85,34 @@ class Preparation:
     first probe, on two cores)."""
     if time.perf_counter() - started >= AFTER_SECONDS:
       return
-    o, n = self.options, len(self.backend.devices())
+    o = self.options
     probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class,
                                          dear=False)
-    stage = lambda p: functools.partial(self.backend.stage, p, self.key, self.args,  # noqa: E731
-                                        self.kwargs)
-    price = lambda f: functools.partial(self.step.flops, f, self.args, self.kwargs, n)  # noqa: E731
-    jobs = ([("lowered " + p.describe(), stage(p)) for p in probes[1:]]
-            + [("priced " + f.describe(), price(f)) for f in others]
-            + [("lowered " + p.describe(), stage(p)) for p in probes[:1]])
+    jobs = ([self._lowering(p) for p in probes[1:]] + [self._pricing(f) for f in others]
+            + [self._lowering(p) for p in probes[:1]])
     last = 0.0
     for what, job in jobs:
-      t0 = time.perf_counter()
-      if self._stopped.is_set() or t0 + last - started >= AFTER_SECONDS:
+      if self._stopped.is_set() or time.perf_counter() + last - started >= AFTER_SECONDS:
         return
-      job()
-      self.done.append(what)
-      logging.debug("hbm_guard: prepared: %s (%.1f s)", what, time.perf_counter() - t0)
-      last = time.perf_counter() - t0
+      last = self._make(what, job, started)
+
+  def _lowering(self, plan: plan_lib.Plan):
+    return "lowered " + plan.describe(), functools.partial(self.backend.stage, plan, self.key,
+                                                           self.args, self.kwargs)
+
+  def _pricing(self, family: plan_lib.Plan):
+    return "priced " + family.describe(), functools.partial(
+        self.step.flops, family, self.args, self.kwargs, len(self.backend.devices()))
+
+  def _make(self, what: str, job, started: float) -> float:
+    """Runs one job, recorded in `done`: its seconds."""
+    t0 = time.perf_counter()
+    job()
+    self.done.append(what)
+    seconds = time.perf_counter() - t0
+    logging.debug("hbm_guard: prepared: %s (%.1f s, %.1f s into the compile)", what, seconds,
+                  time.perf_counter() - started)
+    return seconds
 
   def _step_facts(self, facts: compile_lib.TraceFacts) -> ladder_lib.StepFacts:
     trial = compile_lib.Trial(self.plan, compile_lib.Outcome.OOM, 0.0, facts)  # facts only
@@ -114,21 +120,18 @@ class Preparation:
 
   def _jobs(self, step_facts: ladder_lib.StepFacts, started: float):
     dear = time.perf_counter() - started >= planner_lib.DEAR_COMPILE_SECONDS
-    o, args, kwargs = self.options, self.args, self.kwargs
+    o = self.options
     probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear)
-    n = len(self.backend.devices())
     # Dear probes, compiles side by side: the planner races compiles, not probes (the
     # failed plan's own family waits for its figure; the others' cheapest do not).
     race = dear and self.at_once and hasattr(self.backend, "staged_compile")
     for p in [] if race else probes:
-      yield "lowered " + p.describe(), functools.partial(self.backend.stage, p, self.key,
-                                                          args, kwargs)
+      yield self._lowering(p)
     for f in others:
-      yield "priced " + f.describe(), functools.partial(self.step.flops, f, args, kwargs, n)
+      yield self._pricing(f)
     if race:
       _, counts, _ = planner_lib.families(o.ladder, self.plan, step_facts, o.max_class)
-      flops = lambda f: self.step.flops(f, args, kwargs, n)  # noqa: E731  (priced above)
+      flops = lambda f: self._pricing(f)[1]()  # noqa: E731  (priced above)
       for p in planner_lib.race_opening(others, counts, flops, self.width,
                                         step_facts.offload_bytes):
-        yield "lowered " + p.describe(), functools.partial(self.backend.stage, p, self.key,
-                                                            args, kwargs)
+        yield self._lowering(p)
