@@ -26,6 +26,7 @@ from hbm_guard._src import jaxpr_flat as flat
 from hbm_guard._src import layers
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import sum_cotangent
 
 _MAX_SUM_GRADS = 8  # separate batch sums of the parameters whose gradients are accumulated
 
@@ -38,6 +39,10 @@ class Context:
   step_name: str = "step"
   mesh: Any = None  # the plan shards the batch over this mesh's "fsdp" axis (data parallel)
   candidates: tuple = ()  # (leading size, shape, dtype) of each leaf that voted for the size
+  # (leaf ids, leading sizes) of each non-state argument's arrays, and the ids of those
+  # arguments whose arrays do not all lead with the batch's size
+  groups: tuple = ()
+  apart_ids: frozenset = frozenset()
 
   def constraint(self, tags: dict) -> Callable[[Any, Any], Any] | None:
     """Keeps per-example values sharded on their batch axis (data parallel), so the
@@ -64,7 +69,19 @@ class Context:
     batch = [x for x in batch if getattr(x, "ndim", 0) >= 1 and not _is_key(x)]
     states = [x for i in state if i < len(args) for x in jax.tree.leaves(args[i])]
     candidates = tuple((int(x.shape[0]), tuple(x.shape), jnp.dtype(x.dtype)) for x in batch)
-    return cls(_commonest(candidates), frozenset(map(id, states)), step_name, mesh, candidates)
+    groups = tuple(_group(a) for i, a in enumerate(args) if i not in state and i not in static)
+    groups += tuple(_group(v) for v in kwargs.values())
+    ctx = cls(None, frozenset(map(id, states)), step_name, mesh, candidates,
+              groups=tuple(g for g in groups if g[1]))
+    return ctx.sized(_commonest(candidates))
+
+  def sized(self, size: int | None) -> "Context":
+    """This context with the batch's size `size`: an argument some of whose arrays do not
+    lead with it (a target network beside the batch, images with five captions each) is
+    not the batch, whatever its leaves' sizes."""
+    apart = frozenset(i for ids, sizes in self.groups if any(n != size for n in sizes)
+                      for i in ids)
+    return dataclasses.replace(self, batch_size=size, apart_ids=apart)
 
   def beside(self, differentiated) -> "Context":
     """The batch's size voted again without the leaves shaped as the differentiated ones:
@@ -75,14 +92,22 @@ class Context:
     size = _commonest(tuple(c for c in self.candidates if c[1:] not in shaped))
     if size is None or size == self.batch_size:
       return self
-    return dataclasses.replace(self, batch_size=size)
+    return self.sized(size)
 
   def is_batch(self, x) -> bool:
     """A batch leaf: the batch's leading size and not state (one of the step's own batch
-    arguments, or a value computed from them, such as token weights)."""
+    arguments, or a value computed from them, such as token weights), and not a leaf of an
+    argument that is not all batch (a DQN's target network, whose biases may be as long as
+    the batch)."""
     return (self.batch_size is not None and getattr(x, "ndim", 0) >= 1
             and hasattr(x, "dtype") and x.shape[0] == self.batch_size
-            and id(x) not in self.state_ids and not _is_key(x))
+            and id(x) not in self.state_ids and id(x) not in self.apart_ids
+            and not _is_key(x))
+
+
+def _group(tree) -> tuple[frozenset[int], tuple[int, ...]]:
+  leaves = [x for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0) >= 1 and not _is_key(x)]
+  return frozenset(map(id, leaves)), tuple(int(x.shape[0]) for x in leaves)
 
 
 def _commonest(candidates: tuple) -> int | None:
@@ -138,8 +163,14 @@ class _Traced:
     return out_leaves
 
 
-def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
+def normalized_argnums(argnums, n_args: int) -> tuple[int, ...]:
+  """jax's `argnums` as non-negative positions (`-1`: the last argument)."""
   diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  return tuple(i % n_args if -n_args <= i < 0 else i for i in diff)
+
+
+def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
+  diff = normalized_argnums(argnums, len(args))
   kinds, leaves = [], []
   for i, a in enumerate(args):
     for x in jax.tree.leaves(a):
@@ -152,7 +183,8 @@ def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
   explicit = {id(x) for x in leaves}
   captured = [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer)
                                       and ctx.is_batch(x)) if id(x) not in explicit]
-  t = _Traced(fun, diff, leaves, treedef, kinds, captured, [], state_ids=ctx.state_ids)
+  t = _Traced(fun, diff, leaves, treedef, kinds, captured, [],
+              state_ids=ctx.state_ids | ctx.apart_ids)
   t.closed = jax.make_jaxpr(t.g)(*t.inputs())
   t.prog = flat.flatten(t.closed)
   return t
@@ -175,6 +207,12 @@ class Split:
   dep: tuple[bool, ...]  # per frontier sum: does it depend on the differentiated inputs
   batched_outs: tuple[int, ...]  # output positions that are per example
   description: str
+  # Each microbatch is differentiated with the cotangent jax.jit gives the sums (known
+  # before the totals); otherwise with a unit cotangent per element, scaled once combined.
+  known_cotangent: bool = False
+  # Parameter-free batch statistics read by per-example work: evaluated once over the whole
+  # batch, given to each microbatch as constants.
+  hoisted: tuple = ()
 
 
 def analyse(t: _Traced, batch: int) -> Split:
@@ -188,34 +226,109 @@ def analyse(t: _Traced, batch: int) -> Split:
   for c in t.closed.consts:
     if (isinstance(c, jax.core.Tracer) and getattr(c, "ndim", 0) >= 1 and c.shape[0] == batch
         and id(c) not in t.state_ids):  # a state leaf the batch's size (BatchNorm's 128 means)
+      # or a leaf of an argument that is not the batch
       raise batch_axis.NotSplittable(
           f"a batch-sized value {describe_leaf(c)} reaches the loss other than through its "
           f"arguments or closure (pass it as an argument)")
-  tags = batch_axis.analyse(prog, {v: 0 for v in batch_slots}, batch)
+  seen: list = []
+  hoisted: set = set()
+  dep_slots = _depends(prog, set(prog.invars[:n_diff]))
+  token = batch_axis.RULES_SEEN.set(seen)
+  try:
+    tags = batch_axis.analyse(prog, {v: 0 for v in batch_slots}, batch, t.closed.consts,
+                              hoisted, lambda v: v not in dep_slots)
+  finally:
+    batch_axis.RULES_SEEN.reset(token)
   outs = [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
   if not isinstance(outs[0], batch_axis.Reduced):
     raise batch_axis.NotSplittable("the loss does not depend on the batch")
+  hoisted_t = tuple(v for v in prog.eqns_outvars() if v in hoisted) if hoisted else ()
   frontier = []
-  for e in prog.eqns:
+  for i in flat.needed(prog, prog.outvars, given=hoisted):
+    e = prog.eqns[i]
     if tags.get(e.outvars[0]) is batch_axis.COMBINED:
       frontier += [v for v in e.invars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
   frontier += [v for v in prog.outvars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
   frontier = tuple(dict.fromkeys(frontier))
-  dep_slots = _depends(prog, set(prog.invars[:n_diff]))
   dep = tuple(v in dep_slots for v in frontier)
-  n_grads = sum(int(np.prod(v.aval.shape)) for v, d in zip(frontier, dep) if d)
-  if n_grads > _MAX_SUM_GRADS:
-    raise batch_axis.NotSplittable(
-        f"the loss depends on {n_grads} separate batch sums of the parameters")
   batched_outs = tuple(i for i, tag in enumerate(outs) if isinstance(tag, batch_axis.Batched))
   for i in batched_outs:
     if outs[i].axis != 0 and prog.outvars[i].aval.shape[outs[i].axis] % batch:
       raise batch_axis.NotSplittable(f"output {i} holds the batch unevenly")
+  rules = _custom_vjp_rules(prog, flat.needed(prog, list(frontier), given=hoisted), dep_slots)
+  unseen = [e for e in rules if not any(e.eqn is s for s in seen)]
+  if unseen:
+    raise batch_axis.NotSplittable(
+        f"a custom derivative rule ({batch_axis.where(unseen[0])}) acts on the parameters "
+        f"before the batch: split, it would see each microbatch's part of the gradient")
+  loss = sum_cotangent.combined_fn(prog, t.closed.consts, frontier, dep, n_diff,
+                                   t.inputs()[1], t.inputs()[2])
+  known = sum_cotangent.known_in_advance(
+      loss, [v.aval for v, d in zip(frontier, dep) if d],
+      [v.aval for v, d in zip(frontier, dep) if not d], t.inputs()[0])
+  if seen and not known:
+    raise batch_axis.NotSplittable(
+        "a custom_vjp rule lies between the parameters and batch sums whose cotangent "
+        "needs the whole batch's totals (its backward would see another cotangent)")
+  n_grads = sum(int(np.prod(v.aval.shape)) for v, d in zip(frontier, dep) if d)
+  if not known and n_grads > _MAX_SUM_GRADS:
+    raise batch_axis.NotSplittable(
+        f"the loss depends on {n_grads} separate batch sums of the parameters")
   n_sums = len(frontier)
   kind = "the sum" if n_sums == 1 and outs[0] is batch_axis.SUM else (
       f"a function of {n_sums} batch sum{'s' * (n_sums != 1)}")
+  how = ("each microbatch pulled back with the cotangent jax.jit gives the sums, known "
+         "before the totals" if known else
+         "each sum's gradient accumulated and scaled once by the cotangent of the totals")
+  rule_note = f"; {len(seen)} custom derivative rule(s) read per example" if seen else ""
+  stats = (f"; {len(hoisted_t)} parameter-free batch statistic(s) computed once over the "
+           f"whole batch" if hoisted_t else "")
   return Split(tags, frontier, dep, batched_outs,
-               f"loss: {kind}, accumulated over microbatches and combined once (exact)")
+               f"loss: {kind}, accumulated over microbatches and combined once; {how}"
+               f"{rule_note}{stats} (exact)", known, hoisted_t)
+
+
+def _custom_vjp_rules(prog: flat.Program, indices, dep_slots) -> list:
+  """The custom_vjp equations (at any depth) among `indices` that depend on the parameters."""
+  found = []
+  for i in indices:
+    e = prog.eqns[i]
+    if not any(v in dep_slots for v in e.outvars):
+      continue
+    if e.primitive.name in batch_axis.CUSTOM_RULES and e.primitive.name != "custom_jvp_call":
+      found.append(e)
+    for sub in _nested(e.eqn):
+      found += [_Nested(x) for x in _all_eqns(sub) if x.primitive.name in
+                batch_axis.CUSTOM_RULES and x.primitive.name != "custom_jvp_call"]
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Nested:
+  """A custom_vjp equation inside a nested jaxpr (a scan's body), as an `Eqn`-like."""
+  eqn: Any
+  name_stack: str = ""
+
+  @property
+  def primitive(self):
+    return self.eqn.primitive
+
+
+def _nested(eqn) -> list:
+  out = []
+  for v in eqn.params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      inner = getattr(x, "jaxpr", x)
+      if hasattr(inner, "eqns"):
+        out.append(inner)
+  return out
+
+
+def _all_eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for sub in _nested(e):
+      yield from _all_eqns(sub)
 
 
 def _depends(prog: flat.Program, roots: set) -> set:
@@ -231,7 +344,13 @@ def _micro_program(t: _Traced, split: Split, batch: int, k: int):
   m = batch // k
   diff, other, batch_vals = t.inputs()
   shapes = [_microbatch_of(x, m) for x in batch_vals]
-  closed = jax.make_jaxpr(t.g)(diff, other, shapes)
+  try:
+    closed = jax.make_jaxpr(t.g)(diff, other, shapes)
+  except Exception as e:  # pylint: disable=broad-except  (a shape fixed at the batch's size)
+    raise batch_axis.NotSplittable(
+        f"the loss does not trace on a microbatch of {m} examples ({type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else ''}); a constant or an argument sized by "
+        f"the whole batch (not split with it) meets per-example values") from None
   prog = flat.flatten(closed)
   if not flat.same_structure(t.prog, prog) or len(closed.consts) != len(t.closed.consts):
     raise batch_axis.NotSplittable("the loss traces differently on a microbatch")
@@ -240,7 +359,7 @@ def _micro_program(t: _Traced, split: Split, batch: int, k: int):
   slot.update(zip(t.prog.constvars, prog.constvars))
   frontier = [slot[v] for v in split.frontier]
   outs = [prog.outvars[i] for i in split.batched_outs]
-  indices = flat.needed(prog, frontier + outs)
+  indices = flat.needed(prog, frontier + outs, given=[slot[v] for v in split.hoisted])
   for i in indices:
     for a, b in zip(t.prog.eqns[i].invars, prog.eqns[i].invars):
       if _literal(a) is not None and not np.array_equal(_literal(a), _literal(b)):
@@ -273,13 +392,14 @@ def _acc_dtype(dtype):
   return dtype
 
 
-def _key_slots(prog: flat.Program, consts) -> list[int]:
-  """Positions of the constants that are random keys (folded per microbatch): typed keys,
-  and raw uint32 key data (`jax.random.PRNGKey`) where a random op takes it as its key. A
-  counter fed to `fold_in` as its data (nnx's `RngCount`) is not a key."""
+def _key_slots(prog: flat.Program, slots, values) -> list[int]:
+  """Positions among `slots` (inputs of `prog`, with `values`) of random keys, folded per
+  microbatch: typed keys, and raw uint32 key data (`jax.random.PRNGKey`) where a random op
+  takes it as its key. A counter fed to `fold_in` as its data (nnx's `RngCount`) is not a
+  key."""
   fed = {e.invars[0] for e in prog.eqns if e.invars and flat.is_var(e.invars[0])
          and e.primitive.name.startswith(("random_", "threefry"))}  # (a literal: unhashable)
-  return [i for i, (v, c) in enumerate(zip(prog.constvars, consts))
+  return [i for i, (v, c) in enumerate(zip(slots, values))
           if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32 and c.ndim >= 1)]
 
 
@@ -295,42 +415,96 @@ def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | Non
   # parallel) gives each device an equal share of every microbatch.
   parts = [jnp.swapaxes(x.reshape((batch // k, k) + tuple(x.shape[1:])), 0, 1)
            for x in batch_vals]
-  keys = _key_slots(prog, closed.consts)
+  keys = _key_slots(prog, prog.constvars, closed.consts)
+  other_keys = _key_slots(prog, prog.invars[t.n_diff:t.n_diff + len(other)], other)
   dep = [j for j, d in enumerate(split.dep) if d]
-  basis = [(j, e) for j in dep for e in range(int(np.prod(frontier[j].aval.shape)))]
+  stats = _hoisted_values(t, split)
+  hoisted = [slot[v] for v in split.hoisted]
 
-  def per_micro(d, micro, consts):
+  def per_micro(d, micro, i, wanted=None):
+    consts, own = list(closed.consts), list(other)
+    for p in keys:  # each microbatch draws its own random numbers
+      consts[p] = jax.random.fold_in(consts[p], i)
+    for p in other_keys:
+      own[p] = jax.random.fold_in(own[p], i)
     env = dict(zip(prog.constvars, consts))
-    env.update(zip(prog.invars, [*d, *other, *micro]))
+    env.update(zip(prog.invars, [*d, *own, *micro]))
+    env.update(zip(hoisted, stats))
+    if wanted is not None:
+      return flat.evaluate(prog, env, flat.needed(prog, wanted, given=hoisted), wanted)
     vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap, constrain)
     sums, bouts = vals[:len(frontier)], vals[len(frontier):]
     return [sums[j] for j in dep], (sums, bouts)
 
+  if split.known_cotangent:
+    cotangents = [_known_cotangent(t, split, frontier, dep, parts, k, per_micro)]
+  else:
+    cotangents = [_unit_cotangent(frontier, dep, j, e) for j in dep
+                  for e in range(int(np.prod(frontier[j].aval.shape)))]
+
   def body(carry, xs):
     totals, grads = carry
     micro, i = xs
-    consts = list(closed.consts)
-    for p in keys:
-      consts[p] = jax.random.fold_in(consts[p], i)
-    _, vjp, (sums, bouts) = jax.vjp(lambda d: per_micro(d, micro, consts), diff, has_aux=True)
-    new = []
-    for j, e in basis:
-      cot = [jnp.zeros(frontier[q].aval.shape, frontier[q].aval.dtype) for q in dep]
-      q = dep.index(j)
-      cot[q] = cot[q].reshape(-1).at[e].set(1).reshape(cot[q].shape)
-      new.append(vjp(cot)[0])
+    _, vjp, (sums, bouts) = jax.vjp(lambda d: per_micro(d, micro, i), diff, has_aux=True)
+    new = [vjp(cot)[0] for cot in cotangents]
     totals = [a + s.astype(a.dtype) for a, s in zip(totals, sums)]
     grads = [[a + g.astype(a.dtype) for a, g in zip(acc, gs)] for acc, gs in zip(grads, new)]
     return (totals, grads), bouts
 
   zeros = ([jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in frontier],
-           [[jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff] for _ in basis])
+           [[jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff] for _ in cotangents])
   (totals, grads), stacked = jax.lax.scan(body, zeros, (parts, jnp.arange(k)))
   totals = [s.astype(v.aval.dtype) for s, v in zip(totals, split.frontier)]
+  basis = None if split.known_cotangent else [
+      (j, e) for j in dep for e in range(int(np.prod(frontier[j].aval.shape)))]
   return _combine(t, split, totals, grads, basis, stacked, batch // k)
 
 
+def _hoisted_values(t: _Traced, split: Split) -> list:
+  """The parameter-free batch statistics, over the whole batch (no gradient reaches them)."""
+  if not split.hoisted:
+    return []
+  diff, other, batch_vals = t.inputs()
+  env = dict(zip(t.prog.constvars, t.closed.consts))
+  env.update(zip(t.prog.invars, [*diff, *other, *batch_vals]))
+  wanted = list(split.hoisted)
+  return [jax.lax.stop_gradient(v) for v in
+          flat.evaluate(t.prog, env, flat.needed(t.prog, wanted), wanted)]
+
+
+def _unit_cotangent(frontier, dep, j, e) -> list:
+  cot = [jnp.zeros(frontier[q].aval.shape, frontier[q].aval.dtype) for q in dep]
+  q = dep.index(j)
+  cot[q] = cot[q].reshape(-1).at[e].set(1).reshape(cot[q].shape)
+  return cot
+
+
+def _known_cotangent(t: _Traced, split: Split, frontier, dep, parts, k, per_micro) -> list:
+  """The sums' cotangent under jax.jit: from the sums that do not depend on the parameters
+  (totalled first, in a forward pass over the microbatches), where it reads any."""
+  free = [j for j, d in enumerate(split.dep) if not d]
+  diff, other, batch_vals = t.inputs()
+  loss = sum_cotangent.combined_fn(t.prog, t.closed.consts, split.frontier, split.dep,
+                                   t.n_diff, other, batch_vals)
+  free_totals = []
+  if free:
+    wanted = [frontier[j] for j in free]
+
+    def add(totals, xs):
+      micro, i = xs
+      vals = per_micro(diff, micro, i, wanted)
+      return [a + v.astype(a.dtype) for a, v in zip(totals, vals)], None
+    init = [jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in wanted]
+    free_totals, _ = jax.lax.scan(add, init, (parts, jnp.arange(k)))
+    free_totals = [s.astype(v.aval.dtype) for s, v in zip(free_totals, wanted)]
+  cot = sum_cotangent.value(loss, [frontier[j].aval for j in dep], free_totals, diff)
+  return [c.astype(frontier[j].aval.dtype) for c, j in zip(cot, dep)]
+
+
 def _combine(t: _Traced, split: Split, totals, grads, basis, stacked, m: int):
+  """The loss's outputs and gradients from the totals: with a known cotangent the
+  microbatches' pullbacks are the sums' whole gradient; otherwise each sum's gradient
+  (`basis`, one per element) is scaled by the totals' cotangent."""
   prog = t.prog
   diff, other, batch_vals = t.inputs()
   rest = [i for i in range(len(prog.outvars)) if i not in split.batched_outs]
@@ -344,8 +518,13 @@ def _combine(t: _Traced, split: Split, totals, grads, basis, stacked, m: int):
     vals = flat.evaluate(prog, env, indices, targets)
     return vals[0], vals
 
-  loss, vjp, vals = jax.vjp(combined, totals, diff, has_aux=True)
-  g_sums, g_direct = vjp(jnp.ones_like(loss))
+  if basis is None:
+    loss, vjp, vals = jax.vjp(lambda d: combined(totals, d), diff, has_aux=True)
+    (g_direct,) = vjp(jnp.ones_like(loss))
+    g_sums = None
+  else:
+    loss, vjp, vals = jax.vjp(combined, totals, diff, has_aux=True)
+    g_sums, g_direct = vjp(jnp.ones_like(loss))
   out = [None] * len(prog.outvars)
   for i, v in zip(rest, vals):
     out[i] = v
@@ -354,8 +533,11 @@ def _combine(t: _Traced, split: Split, totals, grads, basis, stacked, m: int):
   result = []
   for n, (x, gd) in enumerate(zip(diff, g_direct)):
     g = gd.astype(_acc_dtype(x.dtype))
-    for b, (j, e) in enumerate(basis):
-      g = g + g_sums[j].reshape(-1)[e].astype(g.dtype) * grads[b][n]
+    if basis is None:
+      g = g + grads[0][n].astype(g.dtype)
+    else:
+      for b, (j, e) in enumerate(basis):
+        g = g + g_sums[j].reshape(-1)[e].astype(g.dtype) * grads[b][n]
     result.append(g.astype(x.dtype))
   return out, result
 

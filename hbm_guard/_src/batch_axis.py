@@ -13,15 +13,23 @@ Each value of a flat loss program gets a tag:
 Where examples interact — a batch statistic feeding per-example work (BatchNorm), examples
 paired with examples (in-batch negatives), a maximum over the batch — `NotSplittable` says
 where, so the guard can say why it did not split.
+
+The analysis is default-deny: a primitive applied to a value that carries the batch is
+followed only where it has a rule here (`_RULES`, the listed elementwise primitives, the
+units whose bodies are read); any other refuses the split, naming the primitive and the
+user's source line. A constant (or a callback's result) with an axis of the batch's length
+is a position along it unless it is provably the same at every position.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import enum
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from hbm_guard._src import jaxpr_flat as flat
@@ -55,28 +63,115 @@ _REDUCE_OTHER = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_an
                            "reduce_xor", "argmax", "argmin"})
 _UNITS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
                     "remat", "custom_lin"})
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# Primitives that act on each element (or, with an axis parameter, along that axis only:
+# refused where it is the batch's). Everything else needs a rule of its own.
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "bessel_i0e", "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj",
+    "convert_element_type", "copy", "copy_p", "cos", "cosh", "cumlogsumexp", "cummax",
+    "cummin", "cumprod", "cumsum", "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp",
+    "exp2", "expm1", "floor", "ge", "gt", "igamma", "igamma_grad_a", "igammac", "imag",
+    "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "nextafter", "not", "or", "polygamma", "population_count", "pow",
+    "random_gamma_grad", "real", "reduce_precision", "regularized_incomplete_beta", "rem",
+    "rev", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "sinh", "sort", "sqrt", "square", "stop_gradient",
+    "sub", "tan", "tanh", "xor", "zeta", "optimization_barrier", "sharding_constraint",
+    "mesh_cast", "reshard", "bitcast_convert_type", "threefry2x32", "random_fold_in",
+})
+# Key primitives that keep a key array's leading axes (and append their own at the end).
+_KEY_LEADING = frozenset({"random_bits", "random_split", "random_wrap", "random_unwrap"})
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "callback", "ffi_call"})
 
 
-def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int) -> dict[Any, Any]:
-  """Tags of every value of `prog`, given the batch inputs' axes (or tags); raises
-  NotSplittable."""
+def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
+            consts: Sequence[Any] = (), hoisted: set | None = None,
+            param_free: Callable[[Any], bool] | None = None) -> dict[Any, Any]:
+  """Tags of every value of `prog`, given the batch inputs' axes (or tags) and the values
+  of its constvars (`consts`, where known); raises NotSplittable.
+
+  With `param_free` (which values do not depend on the parameters), a batch statistic that
+  is parameter-free and meets per-example values (advantages normalised by their batch mean
+  and deviation, `mask / mask.sum()`) is added to `hoisted` instead of refused: computed
+  once over the whole batch, it is a constant to each microbatch."""
   tags: dict[Any, Any] = {v: a if isinstance(a, (Batched, Position, Reduced)) else Batched(a)
                           for v, a in batched.items()}
+  for v, c in zip(prog.constvars, consts):
+    if v not in tags and (t := constant_tag(c, batch)) is not None:
+      tags[v] = t
   for e in prog.eqns:
-    ins = [tags.get(v) if flat.is_var(v) else None for v in e.invars]
+    ins = [tags.get(v) if flat.is_var(v) else (
+        constant_tag(v.value, batch) if isinstance(v, flat.Const) else None) for v in e.invars]
     if not any(t is not None for t in ins):
-      if e.primitive.name == "iota" and e.outvars[0].aval.shape[e.params["dimension"]] == batch:
+      name = e.primitive.name
+      if name == "iota" and e.outvars[0].aval.shape[e.params["dimension"]] == batch:
         tags[e.outvars[0]] = Position(frozenset({e.params["dimension"]}))
+      elif name in _CALLBACKS:  # its result may differ at every position: never uniform
+        for v in e.outvars:
+          axes = frozenset(i for i, d in enumerate(getattr(v.aval, "shape", ())) if d == batch)
+          if axes:
+            tags[v] = Position(axes)
       continue
+    if param_free is not None and _free_extremum(e, ins, param_free):
+      tags[e.outvars[0]] = COMBINED  # (logsumexp's maximum): evaluated over the whole batch
+      continue
+    if param_free is not None and any(isinstance(t, (Batched, Position)) for t in ins):
+      for i, (v, t) in enumerate(zip(e.invars, ins)):
+        if isinstance(t, Reduced) and flat.is_var(v) and param_free(v):
+          hoisted.add(v)
+          ins[i] = None
     for v, t in zip(e.outvars, _tag(e, ins, batch)):
       if t is not None:
         tags[v] = t
   return tags
 
 
-def _where(e: flat.Eqn) -> str:
-  stack = f" in {e.name_stack}" if e.name_stack else ""
-  return f"`{e.primitive.name}`{stack}"
+def _free_extremum(e: flat.Eqn, ins: list, param_free) -> bool:
+  """A maximum (or another reduction that is not a sum) over the batch axis of a value the
+  parameters do not reach: a batch statistic like a sum's, evaluated once."""
+  if e.primitive.name not in _REDUCE_OTHER or len(ins) != 1 or len(e.outvars) != 1:
+    return False
+  (t,), (v,) = ins, e.invars
+  return (isinstance(t, Batched) and t.axis in tuple(e.params.get("axes", ()))
+          and flat.is_var(v) and param_free(v))
+
+
+def constant_tag(value, batch: int) -> Position | None:
+  """A concrete constant's tag: a position along each axis of the batch's length along
+  which it is not the same everywhere (`np.tile([1, .25], n // 2)` weighs by position)."""
+  if isinstance(value, jax.core.Tracer) or not hasattr(value, "shape"):
+    return None
+  shape = tuple(getattr(value, "shape", ()))
+  if batch not in shape or batch < 2:
+    return None
+  try:
+    arr = np.asarray(value)
+  except Exception:  # pylint: disable=broad-except  (not host-readable: assume the worst)
+    return Position(frozenset(i for i, d in enumerate(shape) if d == batch))
+  axes = frozenset(i for i, d in enumerate(shape) if d == batch
+                   and not np.array_equal(arr, np.broadcast_to(
+                       np.take(arr, [0], axis=i), arr.shape), equal_nan=arr.dtype.kind in "fc"))
+  return Position(axes) if axes else None
+
+
+def where(e) -> str:
+  """The primitive, its name stack and the user's source line, for a refusal."""
+  return _where(e)
+
+
+def _where(e) -> str:
+  stack = f" in {e.name_stack}" if getattr(e, "name_stack", "") else ""
+  line = _source_line(e)
+  return f"`{e.primitive.name}`{stack}" + (f" at {line}" if line else "")
+
+
+def _source_line(e: flat.Eqn) -> str:
+  try:
+    from jax._src import source_info_util  # pylint: disable=g-import-not-at-top
+    return source_info_util.summarize(e.eqn.source_info)
+  except Exception:  # pylint: disable=broad-except  (jax moved it: the name stack alone)
+    return ""
 
 
 def _shape(atom) -> tuple[int, ...]:
@@ -103,7 +198,15 @@ def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
     return _unit(e, ins, batch)
   if name == "while":
     raise NotSplittable(f"{_where(e)} loops over per-example values")
-  return _elementwise(e, ins)
+  if name in _ELEMENTWISE:
+    return _elementwise(e, ins)
+  if name in _KEY_LEADING:
+    return _key_leading(e, ins, batch)
+  if name in _CALLBACKS:
+    raise NotSplittable(f"{_where(e)} calls back to Python with per-example values (the "
+                        f"guard cannot see what it does with the batch)")
+  raise NotSplittable(f"{_where(e)}: the guard has no rule for `{name}` on per-example "
+                      f"values (it may write or read at batch positions)")
 
 
 def _positional(e: flat.Eqn, ins: list, batch: int) -> list:
@@ -153,8 +256,10 @@ def _follow(e: flat.Eqn, ins: list, batch: int) -> list:
 
 def _read_positions(e: flat.Eqn) -> NotSplittable:
   return NotSplittable(f"{_where(e)} reads the examples' positions in the batch (from "
-                       f"`jnp.arange` over it; a microbatch counts from 0 again). To take "
-                       f"each example's entry, `jnp.take_along_axis` splits")
+                       f"`jnp.arange` over it, or a constant or callback result the batch's "
+                       f"length that differs along it; a microbatch counts from 0 again). To "
+                       f"take each example's entry, `jnp.take_along_axis` splits; per-example "
+                       f"weights split when passed with the batch")
 
 
 def _reduced(e: flat.Eqn, ins: list) -> Reduced:
@@ -203,6 +308,16 @@ def _elementwise(e: flat.Eqn, ins: list) -> list:
         raise NotSplittable(f"{_where(e)} runs along the batch axis (examples interact)")
       return [Batched(axis)] * len(e.outvars)
   raise NotSplittable(f"{_where(e)}: the guard does not know how it moves the batch axis")
+
+
+def _key_leading(e, ins, batch):
+  """random_bits / random_split / random_wrap / random_unwrap: the key array's axes lead the
+  output's (per-example keys give per-example bits)."""
+  (t,) = [t for t in ins if t is not None] or [None]
+  if not isinstance(t, Batched) or len(ins) != 1 or t.axis >= len(_shape(e.invars[0])) - (
+      e.primitive.name == "random_wrap"):
+    raise NotSplittable(f"{_where(e)} moves the batch axis of a key array")
+  return [Batched(t.axis)] * len(e.outvars)
 
 
 def _reduce_sum(e, ins, batch):
@@ -303,10 +418,15 @@ def _gather(e, ins, batch):
 
 
 def _concatenate(e, ins, batch):
+  """Along another axis: every operand per example, or without the batch but as long as it
+  along the batch axis (a CLS token broadcast over the batch: the same in every example)."""
   axes = {t.axis for t in ins if isinstance(t, Batched)}
-  if len(axes) == 1 and e.params["dimension"] not in axes and all(
-      isinstance(t, Batched) for t in ins):
-    return [Batched(axes.pop())]
+  if len(axes) == 1 and e.params["dimension"] not in axes:
+    a = next(iter(axes))
+    size = _shape(e.outvars[0])[a]
+    if all(isinstance(t, Batched) or (t is None and len(_shape(v)) > a and _shape(v)[a] == size)
+           for v, t in zip(e.invars, ins)):
+      return [Batched(a)]
   raise NotSplittable(f"{_where(e)} concatenates along or beside the batch axis")
 
 
@@ -382,7 +502,74 @@ def _unit(e: flat.Eqn, ins: list, batch: int) -> list:
     raise NotSplittable(f"{_where(e)}: the guard cannot see into it")
   inner = getattr(sub, "jaxpr", sub)
   n_in = len(inner.invars)
-  return _no_combined(e, _body(sub, ins[len(ins) - n_in:], batch))
+  outs = _no_combined(e, _body(sub, ins[len(ins) - n_in:], batch))
+  if name in CUSTOM_RULES:
+    _check_rule(e, ins, outs, batch)
+  return outs
+
+
+# A custom derivative rule is read by the analysis of its own backward pass (the rule's,
+# not the primal's): `_IN_RULE` keeps a rule's backward from checking itself again, and
+# `RULES_SEEN` collects the custom_vjp rules met on per-example values (they need the
+# cotangent jax.jit would give them: see auto_grad).
+_IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("hbm_guard_in_rule",
+                                                                default=False)
+RULES_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "hbm_guard_rules_seen", default=None)
+
+
+def _check_rule(e: flat.Eqn, ins: list, outs: list, batch: int) -> None:
+  """A custom rule (custom_jvp's jvp, custom_vjp's bwd) may mix examples where its primal
+  does not (a tangent centred over the batch): its backward pass, traced on its own with
+  per-example cotangents, must give each per-example operand a per-example cotangent and
+  each other operand a batch sum."""
+  seen = RULES_SEEN.get()
+  if seen is not None and e.primitive.name != "custom_jvp_call":
+    seen.append(e.eqn)
+  if _IN_RULE.get():
+    return
+  operands = [v for v in e.invars if flat.is_var(v)]
+  tags_in = [t for v, t in zip(e.invars, ins) if flat.is_var(v)]
+  diff = [i for i, v in enumerate(operands) if _is_float(v.aval)]
+  out_diff = [i for i, v in enumerate(e.outvars) if _is_float(v.aval)]
+
+  def backward(vals, cts):
+    def primal(*xs):
+      env = dict(zip(operands, vals))
+      env.update(zip((operands[i] for i in diff), xs))
+      flat.bind(e, env)
+      return [env[e.outvars[i]] for i in out_diff]
+    _, pull = jax.vjp(primal, *[vals[i] for i in diff])
+    return pull(list(cts))
+
+  token = _IN_RULE.set(True)
+  try:
+    closed = jax.make_jaxpr(backward)([v.aval for v in operands],
+                                      [e.outvars[i].aval for i in out_diff])
+    prog = flat.flatten(closed)
+    given = {v: t for v, t in zip(prog.invars, [*tags_in, *(outs[i] for i in out_diff)])
+             if t is not None}
+    tags = analyse(prog, given, batch, closed.consts)
+  except NotSplittable as err:
+    raise NotSplittable(f"the derivative rule of {_where(e)} mixes examples ({err})") from None
+  except Exception as err:  # pylint: disable=broad-except  (a rule that cannot be traced alone)
+    raise NotSplittable(f"the derivative rule of {_where(e)} could not be read "
+                        f"({type(err).__name__})") from None
+  finally:
+    _IN_RULE.reset(token)
+  for i, v in zip(diff, prog.outvars):
+    got = tags.get(v) if flat.is_var(v) else None
+    want = tags_in[i]
+    if not (got == want or (want is None and got in (None, SUM))):
+      raise NotSplittable(f"the derivative rule of {_where(e)} gives operand {i} a "
+                          f"cotangent that is not per example ({got} for {want})")
+
+
+def _is_float(aval) -> bool:
+  try:
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
+  except (AttributeError, TypeError):
+    return False
 
 
 def _no_combined(e, outs):
@@ -397,7 +584,8 @@ def _body(closed, ins: Sequence, batch: int) -> list:
   closed = closed if hasattr(closed, "jaxpr") else _Closed(closed)
   prog = flat.flatten(closed)
   tags = analyse(prog, {v: t for v, t in zip(prog.invars, ins)
-                       if isinstance(t, (Batched, Position)) or t is SUM}, batch)
+                       if isinstance(t, (Batched, Position)) or t is SUM}, batch,
+                 getattr(closed, "consts", ()))
   return [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
 
 

@@ -81,9 +81,11 @@ def suspended() -> Iterator[None]:
 @functools.wraps(_ORIGINAL["value_and_grad"])
 def _value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
   own = _ORIGINAL["value_and_grad"](fun, argnums, has_aux=has_aux, **kw)
-  if _ACTIVE.get() is None or kw.get("holomorphic") or kw.get("reduce_axes") or kw.get(
-      "allow_int"):
+  if _ACTIVE.get() is None:
     return own
+  own_only = [k for k in ("holomorphic", "allow_int", "reduce_axes") if kw.get(k)]
+  if own_only:
+    return _as_jax_own(fun, own, own_only)
 
   @functools.wraps(fun)
   def value_and_grad_f(*args, **kwargs):
@@ -93,6 +95,19 @@ def _value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
     with suspended():
       return _guarded(fun, argnums, has_aux, args, kwargs, ctx, own)
   return value_and_grad_f
+
+
+def _as_jax_own(fun: Callable, own: Callable, why: list[str]) -> Callable:
+  """jax's own gradient, noted as not split: the guard does not rewrite gradients taken
+  with these options (they behave exactly as under jax.jit)."""
+  @functools.wraps(fun)
+  def noted(*args, **kwargs):
+    ctx = _ACTIVE.get()
+    if ctx is not None:
+      _note(Found(_name(fun, ctx), (), None, f"taken with {', '.join(why)}=True: jax's own "
+                  f"gradient, not split", None))
+    return own(*args, **kwargs)
+  return noted
 
 
 @functools.wraps(_ORIGINAL["grad"])
@@ -153,7 +168,7 @@ class Found:
 def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   """The gradient under the plan in force; jax's own where nothing applies."""
   before = plan_lib.reads_now()
-  ctx = ctx.beside([x for i in ((argnums,) if isinstance(argnums, int) else argnums)
+  ctx = ctx.beside([x for i in auto_grad.normalized_argnums(argnums, len(args))
                     if i < len(args) for x in jax.tree.leaves(args[i])])
   try:
     t = auto_grad.trace(fun, argnums, args, kwargs, ctx)

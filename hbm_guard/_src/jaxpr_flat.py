@@ -61,6 +61,10 @@ class Program:
   eqns: tuple[Eqn, ...]
   outvars: tuple[Any, ...]  # Var | Literal | Const
 
+  def eqns_outvars(self):
+    """Every value the equations compute, in program order."""
+    return (v for e in self.eqns for v in e.outvars)
+
 
 def flatten(closed: Any) -> Program:
   """Inlines every nested `jit` / call of `closed` (a ClosedJaxpr)."""

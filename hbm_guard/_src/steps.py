@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Hashable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hbm_guard._src import auto_grad
@@ -56,6 +57,34 @@ class PlanJit:
       if not self.layout:
         raise
       return self.jitted(*layout_lib.place(args, self.layout), **kwargs)
+    except jax.errors.JaxRuntimeError as e:
+      # The plan donates state that another argument also holds (a DQN's target network
+      # passed as `state["params"]`): jax.jit without the donation runs it, so the shared
+      # buffers are copied for this call (refused before anything ran: nothing consumed).
+      if _DONATED_TWICE not in str(e) or not self.plan.donate_argnums:
+        raise
+      return self.jitted(*unshared(args, self.plan.donate_argnums), **kwargs)
+
+
+_DONATED_TWICE = "previously donated in the same call"
+
+
+def unshared(args, donated) -> list:
+  """`args` with each donated leaf that another argument also holds replaced by a copy."""
+  donated = {i % len(args) for i in donated if -len(args) <= i < len(args)}
+  held = {id(x) for i, a in enumerate(args) if i not in donated
+          for x in jax.tree_util.tree_leaves(a)}
+  seen: set = set()
+  out = list(args)
+  for i in sorted(donated):
+    leaves, tree = jax.tree_util.tree_flatten(args[i])
+    fresh = []
+    for x in leaves:
+      shared = id(x) in held or id(x) in seen
+      seen.add(id(x))
+      fresh.append(jnp.copy(x) if shared and isinstance(x, jax.Array) else x)
+    out[i] = jax.tree_util.tree_unflatten(tree, fresh)
+  return out
 
 
 class StepBuilder:

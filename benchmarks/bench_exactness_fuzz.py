@@ -1,0 +1,61 @@
+"""The drop-in's differential fuzzer, long: random loss programs over a batch, each split
+under a pinned microbatch plan and run by jax.jit (tests/exactness/programs.py). Prints how
+many were split exactly, refused, different (a split that trains otherwise: must be 0) and
+crashed (where jax.jit does not: must be 0).
+
+  PYTHONPATH=. .venv/bin/python -m benchmarks.bench_exactness_fuzz --programs 10000 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import os
+import random
+import sys
+import time
+
+
+def _run(seed: int, n: int) -> list[tuple[str, str]]:
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from tests.exactness import programs  # pylint: disable=import-outside-toplevel
+  rng = random.Random(seed)
+  out = []
+  for _ in range(n):
+    verdict = programs.judge(programs.random_program(rng))
+    kind = ("crashed" if verdict.error else "different" if verdict.silently_different
+            else "split exactly" if verdict.split else "refused")
+    out.append((kind, f"{verdict.program} {verdict.distance:.2e} {verdict.error or ''}"))
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--programs", type=int, default=200)
+  parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  chunk = max(1, args.programs // (4 * args.workers))
+  jobs = [(args.seed * 100003 + i, min(chunk, args.programs - i * chunk))
+          for i in range((args.programs + chunk - 1) // chunk)]
+  counts: collections.Counter = collections.Counter()
+  bad = []
+  with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
+    for results in pool.map(_run, *zip(*jobs)):
+      for kind, what in results:
+        counts[kind] += 1
+        if kind in ("different", "crashed"):
+          bad.append(f"{kind}: {what}")
+  seconds = time.perf_counter() - start
+  print(f"programs tried: {sum(counts.values())} in {seconds:.0f} s ({args.workers} workers)")
+  for kind in ("split exactly", "refused", "different", "crashed"):
+    print(f"  {kind}: {counts[kind]}")
+  for line in bad[:20]:
+    print("  " + line)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,1 @@
+"""The drop-in's differential harness: steps people write, run under the guard and jax.jit."""
