@@ -340,3 +340,17 @@ def test_a_signature_is_the_same_from_an_array_its_shape_struct_and_its_tracer(v
   assert T.signature((value,), {}) == T.signature((struct,), {}) == traced[0]
   other = jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=not aval.weak_type)
   assert T.signature((value,), {}) != T.signature((other,), {})
+
+
+@pytest.mark.parametrize("decorate", [False, True])
+def test_a_keyword_given_beside_options_replaces_its_field_even_at_its_default(decorate):
+  """Before, a keyword equal to guarded_jit's default was dropped beside `options=`: the
+  user asked for the stricter class and 8 attempts, and ran with 'numerics' and 3."""
+  opts = hbm_guard.GuardOptions(max_class="numerics", max_attempts=3, capacity="1MiB")
+  kw = dict(options=opts, max_class="exact", max_attempts=8)
+  step = (hbm_guard.guarded_jit(**kw)(sgd_step) if decorate
+          else hbm_guard.guarded_jit(sgd_step, **kw))
+  assert (step.options.max_class, step.options.max_attempts) == ("exact", 8)
+  assert step.options.capacity == 1 << 20  # what was not given stays the options'
+  plain = hbm_guard.guarded_jit(sgd_step, options=opts)
+  assert (plain.options.max_class, plain.options.max_attempts) == ("numerics", 3)

@@ -12,7 +12,6 @@ jit (no recompiles), and the executable the fit compiled is the one the next cal
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -230,15 +229,31 @@ class _Bound:
     return attr
 
 
-def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = None,
-                target: str | None = None, max_class: str = "exact", max_attempts: int = 8,
-                ladder: str | Sequence[Any] | None = None,
-                state_argnums: int | Sequence[int] = (), report_dir: str | None = None,
-                auto_fallback: bool = True,
-                plan_cache: str | os.PathLike | bool | None = None,
-                plan: plan_lib.Plan | dict | str | None = None, search: str = "probes",
-                headroom: float = ladder_lib.HEADROOM,
-                plan_cache_retry_exhausted: bool = False,
+class _Default:
+  """A keyword's default, told apart from the same value given explicitly (which, beside
+  `options=`, replaces that field); shown as the value itself in help()."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __repr__(self):
+    return repr(self.value)
+
+
+def guarded_jit(fun: Callable | None = None, /, *,
+                capacity: int | str | None = _Default(None),
+                target: str | None = _Default(None), max_class: str = _Default("exact"),
+                max_attempts: int = _Default(8),
+                ladder: str | Sequence[Any] | None = _Default(None),
+                state_argnums: int | Sequence[int] = _Default(()),
+                report_dir: str | None = _Default(None),
+                auto_fallback: bool = _Default(True),
+                plan_cache: str | os.PathLike | bool | None = _Default(None),
+                plan: plan_lib.Plan | dict | str | None = _Default(None),
+                search: str = _Default("probes"),
+                headroom: float = _Default(ladder_lib.HEADROOM),
+                plan_cache_retry_exhausted: bool = _Default(False),
                 options: options_lib.GuardOptions | None = None,
                 **jit_kwargs):
   """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.
@@ -289,11 +304,10 @@ def guarded_jit(fun: Callable | None = None, /, *, capacity: int | str | None = 
                report_dir=report_dir, auto_fallback=auto_fallback, plan_cache=plan_cache,
                plan=plan, search=search, headroom=headroom,
                plan_cache_retry_exhausted=plan_cache_retry_exhausted, **jit_kwargs)
-  if options is not None:  # only what differs from guarded_jit's defaults overrides it
-    defaults = {k: p.default for k, p in inspect.signature(guarded_jit).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    given = {k: v for k, v in given.items()
-             if k not in defaults or (v is not defaults[k] and v != defaults[k])}
+  if options is not None:  # what was given explicitly replaces options' fields, even a
+    given = {k: v for k, v in given.items() if not isinstance(v, _Default)}  # default value
+  else:
+    given = {k: v.value if isinstance(v, _Default) else v for k, v in given.items()}
   if fun is None:
     return functools.partial(guarded_jit, options=options, **given)
   if options is None:
