@@ -28,17 +28,23 @@ def test_the_corpus_has_the_kinds_the_issue_names():
     assert name in _BY_NAME
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [4, "one example each"])
 @pytest.mark.parametrize("name", _IDS)
 def test_a_pinned_microbatch_plan_trains_like_jax_jit_or_is_refused(name, k):
+  """At 4 microbatches, and at one example per microbatch (where a value as long as the
+  batch broadcasts against the microbatch instead of failing to)."""
   case = _BY_NAME[name]
+  if k != 4:
+    k = harness.batch_size(case)
   try:
     out = harness.under_plan(case, plan_lib.Plan(microbatches=k))
   except errors.UnevenMicrobatchError:
     assert name == "prime_batch"  # the climb then picks a count that divides
     return
-  if case.expect_split is not None:
+  if case.expect_split is not None and k == 4:
     assert out.split == case.expect_split, out.auto
+  if case.expect_split is False:
+    assert not out.split, out.auto
   if not out.split:
     assert out.refused, f"not split and no reason given: {out.auto}"
   if case.stochastic and out.split:
@@ -65,12 +71,18 @@ def test_a_key_passed_to_the_loss_is_folded_per_microbatch(name):
   assert len(rows) == 4
 
 
+# Steps whose peak is mostly not activations: no split reaches half of it.
+_SMALL_ACTIVATIONS = frozenset({"gan_two_gradients"})
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 @pytest.mark.parametrize("name", _IDS)
 def test_under_a_capacity_the_fitted_step_trains_like_jax_jit(name, fraction, tmp_path):
   case = _BY_NAME[name]
   capacity = int(harness.donated_peak(case) * fraction)
   fitted = harness.under_capacity(case, capacity, str(tmp_path))
+  if case.expect_split and fraction == 0.5 and name not in _SMALL_ACTIVATIONS:
+    assert fitted.plan is not None and fitted.plan.microbatches > 1  # not a vacuous pass
   if fitted.plan is None or case.stochastic and fitted.plan.microbatches > 1:
     return  # no plan fits (said so), or a split that draws its own random numbers
   assert fitted.distance <= harness.RTOL, (fitted.plan, fitted.distance, fitted.auto)

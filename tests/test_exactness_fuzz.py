@@ -10,7 +10,7 @@ from tests.exactness import programs
 
 _OPS = st.lists(st.sampled_from(sorted(programs.OPS)), max_size=4).map(tuple)
 _PROGRAMS = st.builds(programs.Program, _OPS, st.sampled_from(sorted(programs.REDUCTIONS)),
-                      st.sampled_from((2, 4)))
+                      st.sampled_from((2, 4, 8)))
 
 
 @hypothesis.settings(max_examples=40, deadline=None, derandomize=True,

@@ -22,6 +22,7 @@ import numpy as np
 
 from hbm_guard._src import batch_axis
 from hbm_guard._src import closure
+from hbm_guard._src import custom_rules
 from hbm_guard._src import jaxpr_flat as flat
 from hbm_guard._src import layers
 from hbm_guard._src import layout as layout_lib
@@ -233,12 +234,12 @@ def analyse(t: _Traced, batch: int) -> Split:
   seen: list = []
   hoisted: set = set()
   dep_slots = _depends(prog, set(prog.invars[:n_diff]))
-  token = batch_axis.RULES_SEEN.set(seen)
+  token = custom_rules.SEEN.set(seen)
   try:
     tags = batch_axis.analyse(prog, {v: 0 for v in batch_slots}, batch, t.closed.consts,
                               hoisted, lambda v: v not in dep_slots)
   finally:
-    batch_axis.RULES_SEEN.reset(token)
+    custom_rules.SEEN.reset(token)
   outs = [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
   if not isinstance(outs[0], batch_axis.Reduced):
     raise batch_axis.NotSplittable("the loss does not depend on the batch")
@@ -361,12 +362,32 @@ def _micro_program(t: _Traced, split: Split, batch: int, k: int):
   outs = [prog.outvars[i] for i in split.batched_outs]
   indices = flat.needed(prog, frontier + outs, given=[slot[v] for v in split.hoisted])
   for i in indices:
+    _check_shrinks(t.prog.eqns[i], prog.eqns[i], split.tags, k)
     for a, b in zip(t.prog.eqns[i].invars, prog.eqns[i].invars):
       if _literal(a) is not None and not np.array_equal(_literal(a), _literal(b)):
         raise batch_axis.NotSplittable(
             f"`{prog.eqns[i].primitive.name}` in {prog.eqns[i].name_stack or 'the loss'} uses "
             f"the batch size as a number in per-example work (e.g. x / batch_size before a sum)")
   return closed, prog, frontier, outs, indices, slot
+
+
+def _check_shrinks(whole: flat.Eqn, micro: flat.Eqn, tags: dict, k: int) -> None:
+  """Each per-example value of the microbatch's program is its whole-batch value's shape
+  with the batch axis k times shorter. A value as long as the batch that is not split with
+  it (a constant, an argument) can broadcast against a one-example microbatch and make the
+  result as long as the batch again: that is caught here, not trained on."""
+  for w, m in zip(whole.outvars, micro.outvars):
+    tag = tags.get(w)
+    if not isinstance(tag, batch_axis.Batched):
+      continue
+    ws, ms = tuple(w.aval.shape), tuple(m.aval.shape)
+    a = tag.axis
+    if (len(ws) != len(ms) or ws[:a] != ms[:a] or ws[a + 1:] != ms[a + 1:]
+        or ms[a] * k != ws[a]):
+      raise batch_axis.NotSplittable(
+          f"{batch_axis.where(micro)} does not shrink with the microbatch ({list(ws)} at the "
+          f"whole batch, {list(ms)} at a microbatch): a value as long as the batch that is "
+          f"not split with it (a constant or an argument) meets per-example values")
 
 
 def _microbatch_of(x, m: int) -> jax.ShapeDtypeStruct:

@@ -23,7 +23,6 @@ is a position along it unless it is provably the same at every position.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import enum
 import math
@@ -32,6 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from hbm_guard._src import custom_rules
 from hbm_guard._src import jaxpr_flat as flat
 
 
@@ -63,7 +63,7 @@ _REDUCE_OTHER = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_an
                            "reduce_xor", "argmax", "argmin"})
 _UNITS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
                     "remat", "custom_lin"})
-CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+CUSTOM_RULES = custom_rules.NAMES
 # Primitives that act on each element (or, with an axis parameter, along that axis only:
 # refused where it is the batch's). Everything else needs a rule of its own.
 _ELEMENTWISE = frozenset({
@@ -504,72 +504,8 @@ def _unit(e: flat.Eqn, ins: list, batch: int) -> list:
   n_in = len(inner.invars)
   outs = _no_combined(e, _body(sub, ins[len(ins) - n_in:], batch))
   if name in CUSTOM_RULES:
-    _check_rule(e, ins, outs, batch)
+    custom_rules.check(e, ins, outs, batch, analyse, NotSplittable, _where(e))
   return outs
-
-
-# A custom derivative rule is read by the analysis of its own backward pass (the rule's,
-# not the primal's): `_IN_RULE` keeps a rule's backward from checking itself again, and
-# `RULES_SEEN` collects the custom_vjp rules met on per-example values (they need the
-# cotangent jax.jit would give them: see auto_grad).
-_IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("hbm_guard_in_rule",
-                                                                default=False)
-RULES_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "hbm_guard_rules_seen", default=None)
-
-
-def _check_rule(e: flat.Eqn, ins: list, outs: list, batch: int) -> None:
-  """A custom rule (custom_jvp's jvp, custom_vjp's bwd) may mix examples where its primal
-  does not (a tangent centred over the batch): its backward pass, traced on its own with
-  per-example cotangents, must give each per-example operand a per-example cotangent and
-  each other operand a batch sum."""
-  seen = RULES_SEEN.get()
-  if seen is not None and e.primitive.name != "custom_jvp_call":
-    seen.append(e.eqn)
-  if _IN_RULE.get():
-    return
-  operands = [v for v in e.invars if flat.is_var(v)]
-  tags_in = [t for v, t in zip(e.invars, ins) if flat.is_var(v)]
-  diff = [i for i, v in enumerate(operands) if _is_float(v.aval)]
-  out_diff = [i for i, v in enumerate(e.outvars) if _is_float(v.aval)]
-
-  def backward(vals, cts):
-    def primal(*xs):
-      env = dict(zip(operands, vals))
-      env.update(zip((operands[i] for i in diff), xs))
-      flat.bind(e, env)
-      return [env[e.outvars[i]] for i in out_diff]
-    _, pull = jax.vjp(primal, *[vals[i] for i in diff])
-    return pull(list(cts))
-
-  token = _IN_RULE.set(True)
-  try:
-    closed = jax.make_jaxpr(backward)([v.aval for v in operands],
-                                      [e.outvars[i].aval for i in out_diff])
-    prog = flat.flatten(closed)
-    given = {v: t for v, t in zip(prog.invars, [*tags_in, *(outs[i] for i in out_diff)])
-             if t is not None}
-    tags = analyse(prog, given, batch, closed.consts)
-  except NotSplittable as err:
-    raise NotSplittable(f"the derivative rule of {_where(e)} mixes examples ({err})") from None
-  except Exception as err:  # pylint: disable=broad-except  (a rule that cannot be traced alone)
-    raise NotSplittable(f"the derivative rule of {_where(e)} could not be read "
-                        f"({type(err).__name__})") from None
-  finally:
-    _IN_RULE.reset(token)
-  for i, v in zip(diff, prog.outvars):
-    got = tags.get(v) if flat.is_var(v) else None
-    want = tags_in[i]
-    if not (got == want or (want is None and got in (None, SUM))):
-      raise NotSplittable(f"the derivative rule of {_where(e)} gives operand {i} a "
-                          f"cotangent that is not per example ({got} for {want})")
-
-
-def _is_float(aval) -> bool:
-  try:
-    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
-  except (AttributeError, TypeError):
-    return False
 
 
 def _no_combined(e, outs):

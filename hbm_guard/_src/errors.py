@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import jax
 
-_DOCS = "https://github.com/hbm-guard/hbm_guard/blob/main/README.md"
+_DOCS = "https://github.com/hbm-guard/hbm_guard/blob/main/docs/errors.md"
 
 
 class HbmGuardError(Exception):

@@ -801,6 +801,11 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: plan_lib.Plan,
       offloads = [False, True]
     elif rung.kind == "microbatch":
       counts = divisors(facts.batch_size, plan.microbatches)
+      if facts.batch_size and not any(k > plan.microbatches for k in counts):
+        skips.append(ladder_lib.Skip(rung.name, (
+            f"batch {facts.batch_size} has no divisor from {plan.microbatches + 1} to "
+            f"{MAX_MICROBATCHES}: no microbatch count splits it evenly (a prime batch)"),
+            ladder_lib.SkipKind.NOT_APPLICABLE))
   # With the state sharded, the batch can be too (data parallel: a quarter of the work per
   # chip on four). It is a choice, not a rule: it gathers each layer's parameters whole,
   # which a model of few large layers may not afford where splitting the features does.

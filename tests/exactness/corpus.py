@@ -20,7 +20,7 @@ from flax.training import train_state
 
 from tests.exactness.harness import Case
 
-B, D, H, C = 16, 8, 16, 4
+B, D, H, C = 128, 8, 128, 4
 CASES: list[Case] = []
 
 
@@ -347,7 +347,7 @@ def _():
   return sgd(loss), _xy
 
 
-@case("uniform_constant_of_batch_length")
+@case("uniform_constant_of_batch_length", expect_split=False)
 def _():
   return sgd(lambda p, x, y: jnp.mean(jnp.sum(mlp(p, x) ** 2, -1) * jnp.asarray(np.ones(B)))), _xy
 
@@ -539,7 +539,7 @@ def _():
 @case("prime_batch")
 def _():
   return sgd(lambda p, x, y: jnp.mean((mlp(p, x) - jax.nn.one_hot(y, C)) ** 2)), lambda: (
-      mlp_params(), _x(10, (13, D)), _labels(11, 13))
+      mlp_params(), _x(10, (127, D)), _labels(11, 127))
 
 
 @case("captions_five_per_image")

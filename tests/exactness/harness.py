@@ -100,6 +100,12 @@ def under_plan(case: Case, plan: plan_lib.Plan, steps: int = STEPS) -> Outcome:
   return Outcome(split, refused, distance(got, want), auto)
 
 
+def batch_size(case: Case) -> int:
+  """The leading size of the step's first batch argument."""
+  _, *args = case.make()
+  return next(int(x.shape[0]) for x in jax.tree.leaves(args) if getattr(x, "ndim", 0) >= 1)
+
+
 def donated_peak(case: Case) -> int:
   state, *args = case.make()
   compiled = jax.jit(case.step, donate_argnums=0).lower(state, *args).compile()

@@ -145,7 +145,7 @@ class Program:
 def random_program(rng: random.Random, max_ops: int = 4) -> Program:
   names = sorted(OPS)
   ops = tuple(rng.choice(names) for _ in range(rng.randint(0, max_ops)))
-  return Program(ops, rng.choice(sorted(REDUCTIONS)), rng.choice((2, 4)))
+  return Program(ops, rng.choice(sorted(REDUCTIONS)), rng.choice((2, 4, B)))
 
 
 @dataclasses.dataclass(frozen=True)
