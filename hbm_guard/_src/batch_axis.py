@@ -79,6 +79,7 @@ _ELEMENTWISE = frozenset({
     "shift_right_logical", "sign", "sin", "sinh", "sort", "sqrt", "square", "stop_gradient",
     "sub", "tan", "tanh", "xor", "zeta", "optimization_barrier", "sharding_constraint",
     "mesh_cast", "reshard", "bitcast_convert_type", "threefry2x32", "random_fold_in",
+    "log2", "mulhi", "one_minus_square", "eq_to", "le_to", "lt_to", "polynomial",
 })
 # Key primitives that keep a key array's leading axes (and append their own at the end).
 _KEY_LEADING = frozenset({"random_bits", "random_split", "random_wrap", "random_unwrap"})

@@ -664,7 +664,7 @@ def _():
                         _x(), _x(16, (B, 4)))
 
 
-@case("wgan_gradient_penalty")
+@case("wgan_gradient_penalty", expect_split=True)
 def _():
   def step(critic, real, fake, eps):
     def loss(c):
