@@ -1,7 +1,8 @@
 """The drop-in's differential fuzzer, long: random loss programs over a batch, each split
 under a pinned microbatch plan and run by jax.jit (tests/exactness/programs.py). Prints how
 many were split exactly, refused, different (a split that trains otherwise: must be 0) and
-crashed (where jax.jit does not: must be 0).
+crashed (where jax.jit does not: must be 0). A refused program is only traced: the guard
+then runs jax's own gradient (the CI fuzzer, tests/test_exactness_fuzz.py, runs them too).
 
   PYTHONPATH=. .venv/bin/python -m benchmarks.bench_exactness_fuzz --programs 10000 --workers 2
 """
@@ -23,7 +24,7 @@ def _run(seed: int, n: int) -> list[tuple[str, str]]:
   rng = random.Random(seed)
   out = []
   for _ in range(n):
-    verdict = programs.judge(programs.random_program(rng))
+    verdict = programs.judge(programs.random_program(rng), run_refused=False)
     kind = ("crashed" if verdict.error else "different" if verdict.silently_different
             else "split exactly" if verdict.split else "refused")
     out.append((kind, f"{verdict.program} {verdict.distance:.2e} {verdict.error or ''}"))

@@ -101,9 +101,16 @@ def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
   for v, c in zip(prog.constvars, consts):
     if v not in tags and (t := constant_tag(c, batch)) is not None:
       tags[v] = t
+  const_tags: dict[int, Position | None] = {}  # an inlined constant is read once
+
+  def const_tag(c: flat.Const) -> Position | None:
+    if id(c) not in const_tags:
+      const_tags[id(c)] = constant_tag(c.value, batch)
+    return const_tags[id(c)]
+
   for e in prog.eqns:
     ins = [tags.get(v) if flat.is_var(v) else (
-        constant_tag(v.value, batch) if isinstance(v, flat.Const) else None) for v in e.invars]
+        const_tag(v) if isinstance(v, flat.Const) else None) for v in e.invars]
     if not any(t is not None for t in ins):
       name = e.primitive.name
       if name == "iota" and e.outvars[0].aval.shape[e.params["dimension"]] == batch:

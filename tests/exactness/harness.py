@@ -84,13 +84,21 @@ def _run(fun: Callable, state, args, steps: int):
   return state, outs
 
 
-def under_plan(case: Case, plan: plan_lib.Plan, steps: int = STEPS) -> Outcome:
-  """The step under a pinned plan (traced by the guard's own builder) against jax.jit."""
+def under_plan(case: Case, plan: plan_lib.Plan, steps: int = STEPS,
+               run_refused: bool = True) -> Outcome:
+  """The step under a pinned plan (traced by the guard's own builder) against jax.jit.
+  `run_refused=False`: a split the guard refused is only traced (it runs jax's own
+  gradient), and its distance reported as 0."""
   state, *args = case.make()
   builder = steps_lib.StepBuilder(case.step, options_lib.make(state_argnums=0,
                                                               **dict(case.options)))
   facts: dict = {}
   guarded = builder.jit(plan, None, 1 + len(args), None, facts)
+  if not run_refused:
+    guarded.trace(state, *args)
+    fact = next(iter(facts.values()), None)
+    if getattr(fact, "auto_refused", None) is not None or not getattr(fact, "auto", None):
+      return Outcome(False, getattr(fact, "auto_refused", None), 0.0, getattr(fact, "auto", None))
   got = _run(guarded, state, args, steps)
   want = _run(jax.jit(case.step), state, args, steps)
   fact = next(iter(facts.values()), None)

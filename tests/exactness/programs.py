@@ -160,12 +160,14 @@ class Verdict:
     return self.split and self.distance > harness.RTOL
 
 
-def judge(program: Program, steps: int = 1) -> Verdict:
-  """The program under its microbatch plan against jax.jit."""
+def judge(program: Program, steps: int = 1, run_refused: bool = True) -> Verdict:
+  """The program under its microbatch plan against jax.jit (a refused one only traced,
+  unless `run_refused`: it runs jax's own gradient)."""
   from hbm_guard._src import plan as plan_lib  # pylint: disable=import-outside-toplevel
   case = program.case()
   try:
-    out = harness.under_plan(case, plan_lib.Plan(microbatches=program.k), steps=steps)
+    out = harness.under_plan(case, plan_lib.Plan(microbatches=program.k), steps=steps,
+                             run_refused=run_refused)
   except Exception as e:  # pylint: disable=broad-except  (reported: a crash is a failure)
     try:
       harness._run(jax.jit(case.step), *_split(case.make()), steps)  # pylint: disable=protected-access
