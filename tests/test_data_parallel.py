@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_four_cpu_devices_each_take_a_quarter_of_the_batch_and_train_the_same(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", HG_REPORT_DIR=str(tmp_path))
-  proc = subprocess.run([sys.executable, "-m", "tests.data_parallel_main"], cwd=ROOT, env=env,
+  proc = subprocess.run([sys.executable, "-m", "tests.helpers.data_parallel_main"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])

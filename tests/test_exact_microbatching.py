@@ -10,7 +10,7 @@ import hbm_guard
 from hbm_guard._src import compile as C
 from hbm_guard._src import ladder as L
 from hbm_guard._src import plan as plan_lib
-from tests import side_by_side
+from tests.helpers import side_by_side
 
 VOCAB, SEQ, BATCH, WIDTH = 64, 16, 16, 32
 

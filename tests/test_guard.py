@@ -206,7 +206,7 @@ def test_local_resharding_over_four_devices_by_the_compilers_numbers(tmp_path):
   import subprocess
   import sys
   env = dict(os.environ, HG_REPORT_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "tests.multidevice_reshard_main"],
+  proc = subprocess.run([sys.executable, "-m", "tests.helpers.multidevice_reshard_main"],
                         capture_output=True, text=True, env=env, check=False,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stderr[-3000:]

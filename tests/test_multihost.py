@@ -19,7 +19,7 @@ def _free_port():
 def _run(capacities, *extra):
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", HBM_GUARD_PLAN_CACHE="off")
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_main", str(i), str(port),
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.multihost_main", str(i), str(port),
                              cap, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=env) for i, cap in enumerate(capacities)]
   outs = []

@@ -17,7 +17,7 @@ import hbm_guard
 from hbm_guard._src import offload
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import report_html
-from tests import side_by_side
+from tests.helpers import side_by_side
 
 MiB = 2**20
 OFFLOAD = hbm_guard.Plan(offload_optimizer=True)

@@ -151,11 +151,11 @@ def test_a_refusal_asked_for_while_it_is_traced_waits_for_the_answer(monkeypatch
 
 @pytest.fixture(name="four_devices", scope="module")
 def _four_devices(tmp_path_factory):
-  """tests/own_shardings_main.py run once, with 4 local CPU devices: what it printed."""
+  """tests/helpers/own_shardings_main.py run once, with 4 local CPU devices: what it printed."""
   env = dict(os.environ, HG_REPORT_DIR=str(tmp_path_factory.mktemp("reports")),
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   env.pop("JAX_PLATFORMS", None)  # libtpu compiles for the target; the step runs on the CPU
-  proc = subprocess.run([sys.executable, "-m", "tests.own_shardings_main"], cwd=ROOT, env=env,
+  proc = subprocess.run([sys.executable, "-m", "tests.helpers.own_shardings_main"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   # the preparation thread traced the explicit step under the caller's jax.set_mesh

@@ -19,7 +19,7 @@ def _run(*argv):
 
 
 def test_two_targets_one_run_and_the_exit_status():
-  code, out, err = _run("tests.preflight_factory:make", "--target", "v5e:1x1",
+  code, out, err = _run("tests.helpers.preflight_factory:make", "--target", "v5e:1x1",
                         "--target", "v5e:2x2", "--capacity", "3MiB", "--json")
   assert code == 1, err[-2000:]  # one target does not fit
   rows = {r["target"]: r for r in json.loads(out)}
@@ -34,17 +34,17 @@ def test_two_targets_one_run_and_the_exit_status():
 
 
 def test_every_target_fits_exits_0_with_a_table():
-  code, out, err = _run("tests.preflight_factory:make", "--target", "v5e:2x2",
+  code, out, err = _run("tests.helpers.preflight_factory:make", "--target", "v5e:2x2",
                         "--capacity", "3MiB")
   assert code == 0, err[-2000:]
   assert out.splitlines()[0].split()[:3] == ["target", "fits", "compiles"]
   assert "v5e:2x2" in out and "yes" in out
 
 
-@pytest.mark.parametrize("argv", [["tests.preflight_factory:nope", "--target", "v5e:1x1"],
+@pytest.mark.parametrize("argv", [["tests.helpers.preflight_factory:nope", "--target", "v5e:1x1"],
                                   ["no_such_module:make", "--target", "v5e:1x1"],
-                                  ["tests.preflight_factory:make", "--target", "v9z:1x1"],
-                                  ["tests.preflight_factory:make"]])
+                                  ["tests.helpers.preflight_factory:make", "--target", "v9z:1x1"],
+                                  ["tests.helpers.preflight_factory:make"]])
 def test_usage_errors_exit_2(argv):
   code, _, err = _run(*argv)
   assert code == 2 and "Traceback" not in err

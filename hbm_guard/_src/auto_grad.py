@@ -194,8 +194,7 @@ def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
 def _wrap(policy_name: str | None):
   if policy_name is None or policy_name == "everything_saveable":
     return None
-  from hbm_guard._src import plan_aware  # pylint: disable=import-outside-toplevel
-  policy = plan_aware._policy(policy_name)  # pylint: disable=protected-access
+  policy = plan_lib.checkpoint_policy(policy_name)
   return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=True)
 
 

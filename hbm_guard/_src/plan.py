@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import numbers
 import re
 from typing import Any, Iterator, Mapping
@@ -234,3 +235,14 @@ def plan_scope(plan: Plan) -> Iterator[_Scope]:
     yield scope
   finally:
     _SCOPE.reset(token)
+
+
+@functools.cache
+def checkpoint_policy(name: str):
+  """jax's checkpoint policy of a plan's `remat_policy` name (an offloading one saves to
+  pinned host memory)."""
+  import jax  # pylint: disable=g-import-not-at-top  (plans are data: jax only when used)
+  policy = getattr(jax.checkpoint_policies, name)
+  if name.startswith("offload_"):
+    return policy("device", "pinned_host")
+  return policy

@@ -37,12 +37,7 @@ def current_remat_policy() -> Callable[..., bool]:
   return _policy(plan_lib.plan_value("remat_policy") or _NO_REMAT)
 
 
-@functools.cache
-def _policy(name: str):
-  policy = getattr(jax.checkpoint_policies, name)
-  if name.startswith("offload_"):
-    return policy("device", "pinned_host")
-  return policy
+_policy = plan_lib.checkpoint_policy
 
 
 def checkpoint(fun: Callable, **kwargs) -> Callable:

@@ -1,6 +1,6 @@
 """One process of a two-process jax.distributed job on CPU (loopback), for test_multihost.
 
-    python -m tests.multihost_main PROCESS_ID PORT CAPACITY_SCALE [SLOW_SECONDS]
+    python -m tests.helpers.multihost_main PROCESS_ID PORT CAPACITY_SCALE [SLOW_SECONDS]
 
 Prints one JSON line: the plan this process ended on, its attempts, and the step's loss.
 With SLOW_SECONDS, process 1's second compile is that many seconds slower, the fit has a time
