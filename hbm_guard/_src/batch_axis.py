@@ -438,6 +438,26 @@ def _concatenate(e, ins, batch):
   raise NotSplittable(f"{_where(e)} concatenates along or beside the batch axis")
 
 
+def _stack(e, ins, batch):
+  """jnp.stack (jax's own primitive in newer jax): every operand per example on one axis, or
+  without the batch and as long as it there; the new axis moves the batch's past it."""
+  axes = {t.axis for t in ins if isinstance(t, Batched)}
+  if len(axes) == 1 and not any(isinstance(t, Position) for t in ins):
+    a = next(iter(axes))
+    size = _shape(next(v for v, t in zip(e.invars, ins) if isinstance(t, Batched)))[a]
+    if all(t is not None or (len(_shape(v)) > a and _shape(v)[a] == size)
+           for v, t in zip(e.invars, ins)):
+      return [Batched(a if a < e.params["axis"] else a + 1)]
+  raise NotSplittable(f"{_where(e)} stacks values that hold the batch differently")
+
+
+def _unstack(e, ins, batch):
+  _, a = _the(ins)
+  if e.params["axis"] == a:
+    raise NotSplittable(f"{_where(e)} takes the batch apart example by example")
+  return [Batched(a if a < e.params["axis"] else a - 1)] * len(e.outvars)
+
+
 def _split(e, ins, batch):
   """lax.split (jnp.split, an LSTM cell's gates): each piece keeps the batch axis whole."""
   _, a = _the(ins)
@@ -604,6 +624,8 @@ _RULES = {
     "gather": _gather,
     "concatenate": _concatenate,
     "split": _split,
+    "stack": _stack,
+    "unstack": _unstack,
     "slice": _full_on_batch_axis,
     "pad": _full_on_batch_axis,
     "dynamic_slice": _full_on_batch_axis,

@@ -83,6 +83,7 @@ OPS: dict[str, Callable] = {
     "sort_features": lambda h, x: jnp.sort(h, axis=-1),
     "top_k_features": lambda h, x: jnp.concatenate([jax.lax.top_k(h, 2)[0], h[:, 2:]], -1),
     "scale_by_input": lambda h, x: h * x[:, :1],
+    "stack_features": lambda h, x: jnp.stack([h, h * h], axis=1).mean(1),
     "mask_normalised": lambda h, x: h * ((x[:, :1] > 0) / jnp.maximum((x[:, 0] > 0).sum(), 1)),
     "input_statistic": lambda h, x: h * (x[:, :1] - x[:, :1].mean()) / (x[:, :1].std() + 1e-3),
     "input_logsumexp": lambda h, x: h * jax.nn.logsumexp(x[:, 0]),
