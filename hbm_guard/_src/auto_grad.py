@@ -209,14 +209,16 @@ class Split:
   description: str
   # Each microbatch is differentiated with the cotangent jax.jit gives the sums (known
   # before the totals); otherwise with a unit cotangent per element, scaled once combined.
-  known_cotangent: bool = False
+  known_cotangent: bool | None = False  # None: not decided (traced whole)
   # Parameter-free batch statistics read by per-example work: evaluated once over the whole
   # batch, given to each microbatch as constants.
   hoisted: tuple = ()
 
 
-def analyse(t: _Traced, batch: int) -> Split:
-  """How the traced loss splits over the batch; raises batch_axis.NotSplittable."""
+def analyse(t: _Traced, batch: int, microbatched: bool = True) -> Split:
+  """How the traced loss splits over the batch; raises batch_axis.NotSplittable. Traced
+  whole (`microbatched=False`), whether the sums' cotangent is known in advance is only
+  decided where a refusal depends on it."""
   prog = t.prog
   n_diff = sum(k == "diff" for k in t.kinds)
   n_other = sum(k == "other" for k in t.kinds)
@@ -261,31 +263,38 @@ def analyse(t: _Traced, batch: int) -> Split:
     raise batch_axis.NotSplittable(
         f"a custom derivative rule ({batch_axis.where(unseen[0])}) acts on the parameters "
         f"before the batch: split, it would see each microbatch's part of the gradient")
-  loss = sum_cotangent.combined_fn(prog, t.closed.consts, frontier, dep, n_diff,
-                                   t.inputs()[1], t.inputs()[2])
-  known = sum_cotangent.known_in_advance(
-      loss, [v.aval for v, d in zip(frontier, dep) if d],
-      [v.aval for v, d in zip(frontier, dep) if not d], t.inputs()[0])
+  n_grads = sum(int(np.prod(v.aval.shape)) for v, d in zip(frontier, dep) if d)
+  known = None
+  if microbatched or seen or n_grads > _MAX_SUM_GRADS:
+    known = known_cotangent(t, frontier, dep)
   if seen and not known:
     raise batch_axis.NotSplittable(
         "a custom_vjp rule lies between the parameters and batch sums whose cotangent "
         "needs the whole batch's totals (its backward would see another cotangent)")
-  n_grads = sum(int(np.prod(v.aval.shape)) for v, d in zip(frontier, dep) if d)
-  if not known and n_grads > _MAX_SUM_GRADS:
+  if known is False and n_grads > _MAX_SUM_GRADS:
     raise batch_axis.NotSplittable(
         f"the loss depends on {n_grads} separate batch sums of the parameters")
   n_sums = len(frontier)
   kind = "the sum" if n_sums == 1 and outs[0] is batch_axis.SUM else (
       f"a function of {n_sums} batch sum{'s' * (n_sums != 1)}")
-  how = ("each microbatch pulled back with the cotangent jax.jit gives the sums, known "
-         "before the totals" if known else
-         "each sum's gradient accumulated and scaled once by the cotangent of the totals")
+  how = ("; each microbatch pulled back with the cotangent jax.jit gives the sums, known "
+         "before the totals" if known else "" if known is None else
+         "; each sum's gradient accumulated and scaled once by the cotangent of the totals")
   rule_note = f"; {len(seen)} custom derivative rule(s) read per example" if seen else ""
   stats = (f"; {len(hoisted_t)} parameter-free batch statistic(s) computed once over the "
            f"whole batch" if hoisted_t else "")
   return Split(tags, frontier, dep, batched_outs,
-               f"loss: {kind}, accumulated over microbatches and combined once; {how}"
+               f"loss: {kind}, accumulated over microbatches and combined once{how}"
                f"{rule_note}{stats} (exact)", known, hoisted_t)
+
+
+def known_cotangent(t: _Traced, frontier, dep) -> bool:
+  """Whether the sums' cotangent reads neither the parameters nor the dependent sums."""
+  loss = sum_cotangent.combined_fn(t.prog, t.closed.consts, frontier, dep, t.n_diff,
+                                   t.inputs()[1], t.inputs()[2])
+  return sum_cotangent.known_in_advance(
+      loss, [v.aval for v, d in zip(frontier, dep) if d],
+      [v.aval for v, d in zip(frontier, dep) if not d], t.inputs()[0])
 
 
 def _custom_vjp_rules(prog: flat.Program, indices, dep_slots) -> list:
@@ -456,6 +465,9 @@ def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | Non
     sums, bouts = vals[:len(frontier)], vals[len(frontier):]
     return [sums[j] for j in dep], (sums, bouts)
 
+  if split.known_cotangent is None:
+    split = dataclasses.replace(split, known_cotangent=known_cotangent(
+        t, split.frontier, split.dep))
   if split.known_cotangent:
     cotangents = [_known_cotangent(t, split, frontier, dep, parts, k, per_micro)]
   else:

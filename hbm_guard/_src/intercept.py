@@ -186,7 +186,7 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
     if not batch:
       raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
                                      "arguments have no leading axis)")
-    split = auto_grad.analyse(t, batch)
+    split = auto_grad.analyse(t, batch, plan_lib.peek("microbatches") > 1)
   except batch_axis.NotSplittable as e:
     refused = str(e)
   except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)

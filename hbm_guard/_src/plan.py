@@ -210,6 +210,13 @@ def plan_value(field: str) -> Any:
   return getattr(scope.plan, field)
 
 
+def peek(field: str) -> Any:
+  """A field of the plan in force, not recorded as read: for the guard's own bookkeeping
+  (a step reads the plan; the guard looking at it makes the step no more plan-aware)."""
+  scope = _SCOPE.get()
+  return getattr(Plan() if scope is None else scope.plan, field)
+
+
 def reads_now() -> frozenset[str]:
   """The plan fields read so far in this trace (empty outside a guard)."""
   scope = _SCOPE.get()
