@@ -35,8 +35,8 @@ from flax.training import train_state
 
 import hbm_guard
 from hbm_guard._src import compile as compile_lib
-from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import targets
+from hbm_guard._src.search import tuning
 from hbm_guard.integrations import flax as hg_flax
 from examples.recover_e1000 import train as lm
 
@@ -150,9 +150,9 @@ class Runner:
       self._flops[key] = g._step.flops(flat, self.args(b), {}) or math.nan  # pylint: disable=protected-access
     state = self.args(b)[0]
     opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
-    cost = self._flops[key] * (1 + planner_lib.MICROBATCH_OVERHEAD * (plan.microbatches - 1))
+    cost = self._flops[key] * (1 + tuning.MICROBATCH_OVERHEAD * (plan.microbatches - 1))
     if plan.offload_optimizer:
-      cost += 2 * opt * planner_lib.FLOPS_PER_HOST_BYTE
+      cost += 2 * opt * tuning.FLOPS_PER_HOST_BYTE
     return cost * self.case.batch / b
 
 

@@ -17,8 +17,13 @@ from hbm_guard._src import fit as fit_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import probing
 from hbm_guard._src import record as record_lib
 from hbm_guard._src import steps as steps_lib
+from hbm_guard._src.search import cheapest
+from hbm_guard._src.search import driver as driver_lib
+from hbm_guard._src.search import space
+from hbm_guard._src.search import tuning
 
 MiB = 2**20
 Outcome = compile_lib.Outcome
@@ -84,27 +89,28 @@ def test_the_planner_chooses_the_fewest_microbatches_predicted_to_fit():
     probes.append(plan)
     return _need(plan)
 
-  planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=60 * MiB, exact=True)
-  fams, counts, _ = planner_lib.families(ladder_lib.load_ladder(), hbm_guard.Plan(),
+  planner = driver_lib.Driver(probe, lambda plan: 1e9, capacity=60 * MiB, exact=True)
+  fams, counts, _ = space.families(ladder_lib.load_ladder(), hbm_guard.Plan(),
                                          _facts(), "numerics")
-  choice = planner.choose(fams, counts, offload_bytes=0)
+  choice = cheapest.choose(planner, fams, counts, offload_bytes=0)
   # donated: 30 + 50/k MiB <= 60 at k = 2 (exact figures are held against the capacity)
   assert choice.plan.microbatches == 2 and choice.plan.donate_argnums == (0,)
   assert len(probes) < len(fams) * len(counts)  # bisection, not every plan
 
 
 def test_headroom_applies_to_estimates_not_to_exact_figures():
-  exact = planner_lib.Planner(lambda p: 99, lambda p: 1.0, capacity=100, exact=True)
-  estimate = planner_lib.Planner(lambda p: 99, lambda p: 1.0, capacity=100, exact=False,
+  exact = driver_lib.Driver(lambda p: 99, lambda p: 1.0, capacity=100, exact=True)
+  estimate = driver_lib.Driver(lambda p: 99, lambda p: 1.0, capacity=100, exact=False,
                                  headroom=0.95)
-  assert exact.fits(99) and exact.fits(100) and not exact.fits(101)
-  assert not estimate.fits(99) and estimate.fits(95)
+  assert exact.state.fits(99) and exact.state.fits(100) and not exact.state.fits(101)
+  assert not estimate.state.fits(99) and estimate.state.fits(95)
 
 
 # -- one fit, without a jit ------------------------------------------------------------------
 
 class _FakeBackend:
-  platform, probe_scale, exact_probes = "cpu", 1.0, True
+  """backend.Backend without staging: the staging methods are never called."""
+  platform, probe_scale, exact_probes, stages = "cpu", 1.0, True, False
 
   def __init__(self, capacity):
     self._capacity, self.compiled = capacity, []
@@ -128,6 +134,12 @@ class _FakeBackend:
 
   def step_facts(self, args, kwargs, trial):
     return _facts()
+
+  def program_text(self, plan, key, args, kwargs):
+    return None
+
+  def unstage(self):
+    pass
 
 
 def test_one_fit_owns_its_planner_and_reports_typed_errors(tmp_path):
@@ -180,7 +192,7 @@ def test_the_target_backend_compiles_for_the_tpu_and_probes_cheaply(v5e_devices)
   assert isinstance(target, backend_lib.TargetBackend) and not target.exact_probes
   assert target.where() == "target:v5e:1x1" and target.platform == "tpu"
   key = target.step.key((w, x), {})
-  need = backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  need = probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
   assert need and need > 4 * MiB  # the weights alone are 4 MiB
   assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
 
@@ -270,10 +282,10 @@ def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_device
   x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
   target = _backend(target="v5e:1x1")
   key = target.step.key((w, x), {})
-  assert backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {}, low_effort=True)
-  backend_lib.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  assert probing.probe(target, hbm_guard.Plan(), key, (w, x), {}, low_effort=True)
+  probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
   flagged = hbm_guard.Plan(compiler_options=(("xla_tpu_pre_fusion_remat", True),))
-  backend_lib.probe(target, flagged, key, (w, x), {}, low_effort=True)
+  probing.probe(target, flagged, key, (w, x), {}, low_effort=True)
   levels = [o.get("optimization_level") for o in sent if "xla_tpu_max_hbm_size_mib" in o]
   assert levels == ["O0", None, None]  # dear probes only, and never with XLA flags
   # Dear probes are held to a quarter of the capacity (XLA's remat gives up sooner), the
@@ -283,7 +295,7 @@ def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_device
   # At a toy's capacity (43 MiB: O0 read 120 MiB where the default read 40), never.
   sent.clear()
   toy = _backend(target="v5e:1x1", capacity="43MiB")
-  backend_lib.probe(toy, hbm_guard.Plan(), toy.step.key((w, x), {}), (w, x), {}, low_effort=True)
+  probing.probe(toy, hbm_guard.Plan(), toy.step.key((w, x), {}), (w, x), {}, low_effort=True)
   assert [(o.get("optimization_level"), o["xla_tpu_max_hbm_size_mib"]) for o in sent] == [
       (None, 1)]
 
@@ -296,9 +308,9 @@ def test_probes_started_in_a_pool_read_what_probes_one_by_one_do(v5e_devices):
   target = _backend(target="v5e:1x1")
   key = target.step.key((w, x), {})
   plans = [hbm_guard.Plan(), hbm_guard.Plan(donate_argnums=(0,))]
-  alone = [backend_lib.probe(target, p, key, (w, x), {}) for p in plans]
+  alone = [probing.probe(target, p, key, (w, x), {}) for p in plans]
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = backend_lib.start_probes(target, plans, key, (w, x), {}, pool=pool)
+    futures = probing.start_probes(target, plans, key, (w, x), {}, pool=pool)
     together = [f.result() for f in futures]
   assert [need for need, _ in together] == alone and all(s > 0 for _, s in together)
   assert alone[1] < alone[0]  # donation: a figure per plan, not one figure twice
@@ -346,6 +358,7 @@ def test_a_targets_compile_prices_its_plan_from_its_own_trace(v5e_devices, monke
 
 class _Recorder:
   """A backend and a step builder that record what a preparation asks of them."""
+  stages = False
 
   def __init__(self):
     self.asked = []
@@ -395,6 +408,7 @@ def test_a_quick_preparation_lowers_the_midpoint_then_prices_then_lowers_the_top
 
 class _RacingRecorder(_Recorder):
   """A backend that can compile beside the probes: a dear failure is raced, not probed."""
+  stages = True
 
   def staged_compile(self, *a):
     raise AssertionError("a preparation only lowers")
@@ -526,7 +540,7 @@ def test_where_probes_are_dear_a_fit_races_compiles_at_the_capacity(v5e_devices,
   # At 368M a probe cost what a failing compile does (12-16 s against 17-18): the fit
   # compiles its cheapest candidates at the capacity, two at a time, instead of probing.
   # Made dear here by the threshold; the compiler and its verdicts are real.
-  monkeypatch.setattr(planner_lib, "DEAR_COMPILE_SECONDS", 0.0)
+  monkeypatch.setattr(tuning, "DEAR_COMPILE_SECONDS", 0.0)
   monkeypatch.setattr(fit_lib, "_probe_workers", lambda: 2)
   S = jax.ShapeDtypeStruct  # pylint: disable=invalid-name
   w = {"a": S((512, 2048), jnp.float32), "b": S((2048, 512), jnp.float32)}
@@ -550,7 +564,7 @@ def test_where_probes_are_dear_a_fit_races_compiles_at_the_capacity(v5e_devices,
 def test_a_race_stops_waiting_at_the_time_budget(v5e_devices, monkeypatch, tmp_path):
   # A compile of the race can run far past its estimate (the dearest compile so far: a
   # failed one); the fit stops waiting for it at max_fit_seconds and says so.
-  monkeypatch.setattr(planner_lib, "DEAR_COMPILE_SECONDS", 0.0)
+  monkeypatch.setattr(tuning, "DEAR_COMPILE_SECONDS", 0.0)
   monkeypatch.setattr(fit_lib, "_probe_workers", lambda: 2)
   staged_compile = backend_lib.TargetBackend.staged_compile
   def slow(self, *a):

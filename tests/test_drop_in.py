@@ -30,6 +30,7 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import jaxpr_flat
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import probing
 from hbm_guard._src import report as report_lib
 from hbm_guard._src import steps as steps_lib
 
@@ -195,7 +196,7 @@ def test_a_count_whose_trace_does_not_split_is_searched_below_not_given_up(tmp_p
       tx=optax.sgd(0.1))
   batch = {"x": x, "y": jnp.zeros((8,), jnp.int32)}
   trials = []
-  figure = backend_lib.figure
+  figure = probing.figure
   def seen(trial):
     trials.append(trial)
     return figure(trial)

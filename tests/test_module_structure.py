@@ -7,13 +7,18 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "hbm_guard" / "_src"
 
 
 def _imports() -> dict[str, set[str]]:
+  """module -> the hbm_guard._src modules it imports, named by their path under _src."""
   out = {}
-  for f in SRC.glob("*.py"):
+  for f in SRC.rglob("*.py"):
     deps = set()
     for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-      if isinstance(node, ast.ImportFrom) and node.module == "hbm_guard._src":
-        deps |= {a.name for a in node.names}
-    out[f.stem] = deps
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hbm_guard._src"):
+        package = node.module[len("hbm_guard._src"):].lstrip(".")
+        names = [a.name for a in node.names]
+        deps |= ({f"{package}.{n}".lstrip(".") for n in names}
+                 if not package or (SRC / package).is_dir() else {package})
+    name = ".".join(f.relative_to(SRC).with_suffix("").parts)
+    out[name.removesuffix(".__init__")] = deps
   return out
 
 
@@ -35,3 +40,76 @@ def test_no_import_cycle():
     if node not in state:
       visit(node, [node])
   assert not cycles, cycles
+
+
+ROOT = SRC.parent.parent
+MAX_MODULE_LINES = 450
+# Underscore names that are public API of other libraries: NamedTuple's methods, CPython's
+# frame access.
+_FOREIGN_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_getframe"})
+
+
+def _modules():
+  for folder in ("hbm_guard", "integrations"):
+    yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_every_module_fits_in_a_head():
+  long = {str(f.relative_to(ROOT)): n for f in _modules()
+          if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+  assert not long, long
+
+
+def _defined_private(tree: ast.AST) -> set[str]:
+  """Underscore names a module defines: functions, classes, attributes it assigns."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+      names.add(node.attr)
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+      names.add(node.id)
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      names.add(node.target.id)
+  return {n for n in names if n.startswith("_")}
+
+
+def test_no_private_name_is_read_across_modules():
+  found = []
+  for f in _modules():
+    tree = ast.parse(f.read_text(encoding="utf-8"))
+    own = _defined_private(tree)
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+          and not node.attr.startswith("__") and node.attr not in _FOREIGN_API
+          and node.attr not in own
+          and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+        found.append(f"{f.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hbm_guard"):
+        found += [f"{f.relative_to(ROOT)}:{node.lineno}: import {a.name}" for a in node.names
+                  if a.name.startswith("_") and a.name != "_src"]
+  assert not found, found
+
+
+def _assigns_state(fn: ast.FunctionDef) -> bool:
+  for node in ast.walk(fn):
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+    if any(isinstance(t, ast.Attribute) for t in targets):
+      return True
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "__setattr__"):
+      return True
+  return False
+
+
+def test_no_property_assigns_state():
+  found = []
+  for f in _modules():
+    for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+      if (isinstance(node, ast.FunctionDef)
+          and any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
+          and _assigns_state(node)):
+        found.append(f"{f.relative_to(ROOT)}:{node.lineno}: {node.name}")
+  assert not found, found

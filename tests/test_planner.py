@@ -7,26 +7,34 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src import planner as planner_lib
+from hbm_guard._src.search import bisection
+from hbm_guard._src.search import cheapest
+from hbm_guard._src.search import driver as driver_lib
+from hbm_guard._src.search import model
+from hbm_guard._src.search import race
+from hbm_guard._src.search import space
+from hbm_guard._src.search import state as state_lib
+from hbm_guard._src.search import tuning
 
 MiB = 2**20
 
 
 def _planner(figures):
-  return planner_lib.Planner(lambda plan: figures[plan.microbatches], lambda plan: 1e9,
-                             capacity=100 * MiB, scale=planner_lib.PROBE_SCALE)
+  return driver_lib.Driver(lambda plan: figures[plan.microbatches], lambda plan: 1e9,
+                             capacity=100 * MiB, scale=tuning.PROBE_SCALE)
 
 
 def test_measured_ratios_replace_the_prior_and_only_ever_grow():
   figures = {1: 90 * MiB, 2: 80 * MiB, 4: 75 * MiB}
   planner = _planner(figures)
   plan = lambda k: hbm_guard.Plan(microbatches=k)  # pylint: disable=unnecessary-lambda-assignment
-  assert planner.scale == planner_lib.PROBE_SCALE
+  assert planner.scale == tuning.PROBE_SCALE
   for k in figures:
     planner.need(plan(k))  # as the planner does before it compiles a plan
-  assert not planner.fits(planner.need(plan(4)))  # 75 x 1.3 > 95
+  assert not planner.state.fits(planner.need(plan(4)))  # 75 x 1.3 > 95
   planner.observe(plan(2), real_bytes=88 * MiB, fits=False)  # probes run 1.1 low here
   assert abs(planner.scale - 1.1) < 1e-9
-  assert planner.fits(planner.need(plan(4)))  # 75 x 1.1 = 82.5 <= 95: worth a compile now
+  assert planner.state.fits(planner.need(plan(4)))  # 75 x 1.1 = 82.5 <= 95: worth a compile now
   planner.observe(plan(1), real_bytes=108 * MiB, fits=False)  # 1.2: the larger stands
   assert abs(planner.scale - 1.2) < 1e-9
   planner.observe(plan(4), real_bytes=63 * MiB, fits=True)  # a fit below its probe: ignored
@@ -36,7 +44,7 @@ def test_measured_ratios_replace_the_prior_and_only_ever_grow():
 def test_an_unprobed_plan_does_not_calibrate():
   planner = _planner({1: 90 * MiB})
   planner.observe(hbm_guard.Plan(microbatches=1), real_bytes=300 * MiB, fits=False)
-  assert planner.scale == planner_lib.PROBE_SCALE
+  assert planner.scale == tuning.PROBE_SCALE
 
 
 class _Clock:
@@ -58,7 +66,7 @@ def _dear_planner(per_probe, probes):
   def probe(plan):
     probes.append(plan.microbatches)
     return _lm_like(plan)
-  p = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30), scale=1.0,
+  p = driver_lib.Driver(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30), scale=1.0,
                           clock=_Clock(per_probe))
   p.observe(hbm_guard.Plan(), real_bytes=_lm_like(hbm_guard.Plan()), fits=False,
             seconds=5.0 if per_probe < 10 else 60.0)
@@ -68,7 +76,7 @@ def _dear_planner(per_probe, probes):
 def test_dear_probes_predict_the_count_from_two_figures():
   probes = []
   planner = _dear_planner(per_probe=120.0, probes=probes)  # probes as dear as compiles
-  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  choice = cheapest.choose(planner, [hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 8  # 6 + 58/8 = 13.25 GiB <= 0.95 x 15.75
   # One probe: the failed compile's own figure is the other point of need(k) = F + P / k.
   assert probes == [16] and planner.probes_are_dear
@@ -77,8 +85,8 @@ def test_dear_probes_predict_the_count_from_two_figures():
 def test_dear_probes_without_a_real_figure_probe_both_ends():
   probes = []
   planner = _dear_planner(per_probe=120.0, probes=probes)
-  planner._real.clear()  # pylint: disable=protected-access  (as if the failure had no figure)
-  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  planner.state = dataclasses.replace(planner.state, real={})  # (as if the failure had no figure)
+  choice = cheapest.choose(planner, [hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 8 and probes == [16, 2]  # k = 2: the fewest split
 
 
@@ -93,11 +101,11 @@ def test_dear_probes_of_a_familys_two_ends_start_together_before_the_pricing():
   def flops(plan):
     events.append(("price", plan.remat_policy))
     return 1e12 if plan.remat_policy is None else 1.3e12
-  planner = planner_lib.Planner(lambda p: 1 / 0, flops, capacity=int(15.75 * 2**30),
+  planner = driver_lib.Driver(lambda p: 1 / 0, flops, capacity=int(15.75 * 2**30),
                                 scale=1.0, clock=_Clock(120.0), start_probes=start_probes)
   planner.observe(hbm_guard.Plan(), real_bytes=None, fits=False, seconds=60.0)
   families = [hbm_guard.Plan(remat_policy="nothing_saveable"), hbm_guard.Plan()]
-  choice = planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0)
+  choice = cheapest.choose(planner, families, [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan == hbm_guard.Plan(microbatches=8)
   # The family without remat is started first, priced while its probes run, then read.
   assert events[0] == ("start", [2, 16]) and events[1][0] == "price"
@@ -112,18 +120,18 @@ def test_another_familys_failure_is_no_anchor():
   def probe(plan):
     probes.append(plan.microbatches)
     return int((8 + 24 / plan.microbatches) * 2**30)  # 20 GiB at k = 2, 9.5 at 16
-  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+  planner = driver_lib.Driver(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
                                 scale=1.0, clock=_Clock(120.0))
   planner.observe(hbm_guard.Plan(), real_bytes=int(19.37 * 2**30), fits=False, seconds=60.0)
   donated = hbm_guard.Plan(donate_argnums=(0,))
-  choice = planner.choose([donated], [1, 2, 4, 8, 16], offload_bytes=0)
+  choice = cheapest.choose(planner, [donated], [1, 2, 4, 8, 16], offload_bytes=0)
   # Anchored on the plain figure, k = 2 would be predicted at 14.0 GiB and fail; in the
   # family, 8 + 24/4 = 14 GiB <= 0.95 x 15.75 at k = 4.
   assert probes == [16, 2] and choice.plan.microbatches == 4
 
 
 def test_a_slow_failed_compile_makes_probes_dear_before_any_probe():
-  planner = planner_lib.Planner(lambda p: 1, lambda p: 1.0, capacity=100)
+  planner = driver_lib.Driver(lambda p: 1, lambda p: 1.0, capacity=100)
   planner.observe(hbm_guard.Plan(), real_bytes=200, fits=False, seconds=2.0)
   assert not planner.probes_are_dear
   planner.observe(hbm_guard.Plan(microbatches=2), real_bytes=150, fits=False, seconds=17.0)
@@ -133,7 +141,7 @@ def test_a_slow_failed_compile_makes_probes_dear_before_any_probe():
 def test_cheap_probes_still_bisect():
   probes = []
   planner = _dear_planner(per_probe=2.0, probes=probes)
-  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  choice = cheapest.choose(planner, [hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 8 and not planner.probes_are_dear
   # The failure rules out 1 and 2; 4, the fewest it leaves, is probed first and does not
   # fit; then the top and the midpoint above 4, and 8 is confirmed by its own probe.
@@ -143,8 +151,8 @@ def test_cheap_probes_still_bisect():
 def test_cheap_probes_stop_at_the_fewest_count_a_failure_leaves_if_it_fits():
   probes = []
   planner = _dear_planner(per_probe=2.0, probes=probes)
-  planner._capacity = 24 * 2**30  # pylint: disable=protected-access  (4: 20.5 GiB fits)
-  choice = planner.choose([hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  planner.state = dataclasses.replace(planner.state, capacity=24 * 2**30)  # (4: 20.5 GiB fits)
+  choice = cheapest.choose(planner, [hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
   # 64 GiB unsplit bounds 2 at 32 GiB (over 1.3 x 24): 4 is the floor, and it fits, so
   # neither the top nor a midpoint is probed (need falls with the count).
   assert choice.plan.microbatches == 4 and probes == [4]
@@ -165,7 +173,7 @@ def test_where_probes_are_dear_the_xla_flags_are_judged_by_one_probe_of_all_of_t
   def probe(plan):  # every flag cuts a little; all of them together still do not fit
     probed.append(plan.describe())
     return int((30 - 3 * len(plan.compiler_options)) * 2**30)
-  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+  planner = driver_lib.Driver(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
                                 clock=_Clock(120.0))
   failed = hbm_guard.Plan(donate_argnums=(0,))
   planner.observe(hbm_guard.Plan(), real_bytes=40 * 2**30, fits=False, seconds=60.0)
@@ -195,7 +203,7 @@ def test_flags_and_donation_that_cannot_close_the_gap_are_not_probed():
     def probe(plan, probed=probed):
       probed.append(plan.describe())
       return int(40 * 2**30)
-    planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+    planner = driver_lib.Driver(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
                                   clock=_Clock(120.0))
     real = int(failed_gib * 2**30)
     planner.observe(hbm_guard.Plan(), real_bytes=real, fits=False, seconds=30.0)
@@ -217,8 +225,8 @@ def test_a_large_programs_prior_is_closer_to_one_until_measured():
   fast, slow = _planner({1: 90 * MiB}), _planner({1: 90 * MiB})
   fast.observe(hbm_guard.Plan(), real_bytes=300 * MiB, fits=False, seconds=2.0)
   slow.observe(hbm_guard.Plan(), real_bytes=300 * MiB, fits=False, seconds=12.5)
-  assert fast.scale == planner_lib.PROBE_SCALE
-  assert slow.scale == planner_lib.LARGE_PROGRAM_PROBE_SCALE < planner_lib.PROBE_SCALE
+  assert fast.scale == tuning.PROBE_SCALE
+  assert slow.scale == tuning.LARGE_PROGRAM_PROBE_SCALE < tuning.PROBE_SCALE
   slow.need(hbm_guard.Plan(microbatches=1))
   slow.observe(hbm_guard.Plan(microbatches=1), real_bytes=117 * MiB, fits=False, seconds=30.0)
   assert abs(slow.scale - 1.3) < 1e-9  # a measured ratio replaces the prior
@@ -232,17 +240,17 @@ def test_dear_probes_take_fewer_microbatches_when_the_anchor_probe_fits():
   def probe(plan):
     probes.append(plan.microbatches)
     return int(figures[plan.microbatches] * 2**30)
-  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+  planner = driver_lib.Driver(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
                                 scale=1.0, clock=_Clock(120.0))
   planner.observe(hbm_guard.Plan(), real_bytes=int(25.12 * 2**30), fits=False, seconds=60.0)
   family = hbm_guard.Plan(donate_argnums=(0,), shard_state=True, shard_batch=True)
-  choice = planner.choose([family], [1, 2, 4, 8, 16], offload_bytes=0)
+  choice = cheapest.choose(planner, [family], [1, 2, 4, 8, 16], offload_bytes=0)
   assert choice.plan.microbatches == 1 and probes == [16, 2, 1]
   figures[1] = 15.5  # unsplit does not fit: the anchor's own count
-  planner = planner_lib.Planner(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+  planner = driver_lib.Driver(probe, lambda plan: 1e12, capacity=int(15.75 * 2**30),
                                 scale=1.0, clock=_Clock(120.0))
   planner.observe(hbm_guard.Plan(), real_bytes=int(25.12 * 2**30), fits=False, seconds=60.0)
-  assert planner.choose([family], [1, 2, 4, 8, 16], offload_bytes=0).plan.microbatches == 2
+  assert cheapest.choose(planner, [family], [1, 2, 4, 8, 16], offload_bytes=0).plan.microbatches == 2
 
 
 def test_a_later_family_searches_only_the_counts_that_would_cost_less():
@@ -256,8 +264,8 @@ def test_a_later_family_searches_only_the_counts_that_would_cost_less():
     probed.append((plan.remat_policy, plan.microbatches))
     return int(figures[plan.remat_policy][plan.microbatches] * MiB)
   flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
-  planner = planner_lib.Planner(probe, flops, capacity=96 * MiB, scale=1.3)
-  choice = planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+  planner = driver_lib.Driver(probe, flops, capacity=96 * MiB, scale=1.3)
+  choice = cheapest.choose(planner, [hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
                           [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
   assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
   remat = [k for policy, k in probed if policy == "dots"]
@@ -278,10 +286,10 @@ def test_probes_side_by_side_search_thirds_two_at_a_time():
   flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
   for side_by_side, want in ((True, 3), (False, 4)):
     rounds.clear()
-    planner = planner_lib.Planner(lambda p: start_probes([p])[0]()[0], flops,
+    planner = driver_lib.Driver(lambda p: start_probes([p])[0]()[0], flops,
                                   capacity=96 * MiB, scale=1.3,
                                   start_probes=start_probes, side_by_side=side_by_side)
-    choice = planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+    choice = cheapest.choose(planner, [hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
                             [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
     assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
     assert len(rounds) == want and sum(map(len, rounds)) == 6, rounds
@@ -292,11 +300,11 @@ def test_probes_side_by_side_search_thirds_two_at_a_time():
     need = {k: (50 if i + 1 >= first_fit else 500) * MiB for i, k in enumerate(counts)}
     got = []
     for side_by_side in (True, False):
-      planner = planner_lib.Planner(
+      planner = driver_lib.Driver(
           lambda p: need[p.microbatches], lambda p: 1e9, capacity=96 * MiB, scale=1.3,
           side_by_side=side_by_side,
           start_probes=lambda plans: [lambda p=p: (need[p.microbatches], 1.0) for p in plans])
-      got.append(planner.choose([hbm_guard.Plan()], counts, offload_bytes=0).plan.microbatches)
+      got.append(cheapest.choose(planner, [hbm_guard.Plan()], counts, offload_bytes=0).plan.microbatches)
     assert got[0] == got[1] == counts[first_fit - 1]
 
 
@@ -315,12 +323,12 @@ def test_what_is_made_while_the_first_compile_runs_is_what_the_planner_starts_wi
     def flops(plan, priced=priced):
       priced.append(plan)
       return 1e12 * (1.2 if plan.remat_policy else 1.0)
-    planner = planner_lib.Planner(lambda p: None, flops, capacity=int(15.75 * 2**30),
+    planner = driver_lib.Driver(lambda p: None, flops, capacity=int(15.75 * 2**30),
                                   start_probes=start_probes)
     planner.observe(hbm_guard.Plan(), real_bytes=None, fits=False, seconds=seconds)
-    fams, counts, _ = planner_lib.families(rungs, hbm_guard.Plan(), facts, "numerics")
-    planner.choose(fams, counts, offload_bytes=0)
-    probes, others = planner_lib.opening(rungs, hbm_guard.Plan(), facts, "numerics", dear)
+    fams, counts, _ = space.families(rungs, hbm_guard.Plan(), facts, "numerics")
+    cheapest.choose(planner, fams, counts, offload_bytes=0)
+    probes, others = space.opening(rungs, hbm_guard.Plan(), facts, "numerics", dear)
     assert started[0] == [p.microbatches for p in probes] == ([16, 2] if dear else [16, 4])
     assert {p.donate_argnums for p in probes} == {(0,)} and len(fams) > 1
     first = dataclasses.replace(probes[0], microbatches=1, rungs=())
@@ -339,10 +347,10 @@ def _readme_planner(figures, fits_by_compile, rounds, compiled, capacity=96 * Mi
     fits = fits_by_compile(plan)
     return lambda: (int(figures[plan.remat_policy][plan.microbatches] * MiB), 10.0, fits)
   flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
-  planner = planner_lib.Planner(lambda p: start_probes([p])[0]()[0], flops,
+  planner = driver_lib.Driver(lambda p: start_probes([p])[0]()[0], flops,
                                 capacity=capacity, scale=1.3, start_probes=start_probes,
                                 side_by_side=True, start_compile=start_compile)
-  return planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+  return cheapest.choose(planner, [hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
                         [1, 2, 4, 8, 16, 32, 64], offload_bytes=0), planner
 
 
@@ -367,13 +375,13 @@ def test_while_the_floor_is_probed_the_next_familys_decisive_compile_is_lowered(
   def lower(plan):
     events.append(("lower", plan.remat_policy, plan.microbatches))
   flops = lambda plan: 1.0e11 if plan.remat_policy is None else 1.02e11  # noqa: E731
-  planner = planner_lib.Planner(
+  planner = driver_lib.Driver(
       lambda p: start_probes([p])[0]()[0], flops, capacity=96 * MiB, scale=1.3,
       start_probes=start_probes, side_by_side=True, start_compile=start_compile,
       stage_ahead=lower)
-  planner.state_bytes = int(36.9 * MiB)
+  planner.update(state_lib.with_state_bytes, int(36.9 * MiB))
   planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=1.0)
-  choice = planner.choose([hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
+  choice = cheapest.choose(planner, [hbm_guard.Plan(), hbm_guard.Plan(remat_policy="dots")],
                           [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
   assert choice.plan == hbm_guard.Plan(remat_policy="dots", microbatches=4)
   assert events[:4] == [("probe", [(None, 8)]), ("lower", "dots", 4), ("read", None, 8),
@@ -463,11 +471,11 @@ def _racing_planner(needs, events, capacity=15.75):
       return need, 15.0, need <= capacity * GiB
     read.done = lambda: ("read", plan.remat_policy, plan.microbatches) in events
     return read
-  planner = planner_lib.Planner(
+  planner = driver_lib.Driver(
       lambda p: 1 / 0, lambda p: _LM_FLOPS[p.remat_policy], capacity=int(capacity * GiB),
       scale=1.3, side_by_side=True, start_compile=start_compile,
       start_probes=lambda plans: 1 / 0)  # a probe here fails the test
-  planner.state_bytes = int(4.1 * GiB)
+  planner.update(state_lib.with_state_bytes, int(4.1 * GiB))
   planner.observe(hbm_guard.Plan(), real_bytes=int(81.19 * GiB), fits=False, seconds=18.0)
   donated = hbm_guard.Plan(donate_argnums=(0,))
   families = [donated, dataclasses.replace(donated, remat_policy="dots")]
@@ -482,13 +490,13 @@ def test_where_probes_are_dear_the_cheapest_candidates_are_compiled_not_probed()
   events = []
   planner, families = _racing_planner(_LM_NEEDS, events)
   assert planner.races
-  choice = planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
+  choice = cheapest.choose(planner, families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
   assert choice.plan.remat_policy == "dots" and choice.plan.microbatches == 2
   assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
                     ("read", "dots", 2)]
   assert [p.compiled for p in planner.probes] == [True, True]
   assert choice.predicted_bytes == int(15.62 * GiB)
-  assert planner_lib.program(choice.plan) in planner.fit_by_compile
+  assert planner_lib.program(choice.plan) in planner.state.fit_by_compile
 
 
 def test_a_race_goes_on_from_what_its_failures_rule_out():
@@ -498,7 +506,7 @@ def test_a_race_goes_on_from_what_its_failures_rule_out():
   needs = {None: _LM_NEEDS[None], "dots": {**_LM_NEEDS["dots"], 2: 16.2}}
   events = []
   planner, families = _racing_planner(needs, events)
-  choice = planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
+  choice = cheapest.choose(planner, families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
   assert choice.plan.remat_policy == "dots" and choice.plan.microbatches == 4
   assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
                     ("read", "dots", 2), ("start", "dots", 4), ("start", None, 8),
@@ -511,7 +519,7 @@ def test_a_race_compiles_only_what_its_failures_leave_open_and_ends_with_none():
   # not waited for, but holds a core while it runs, so 4, 8 and 16 follow one at a time.
   events = []
   planner, families = _racing_planner(_LM_NEEDS, events, capacity=6.0)
-  assert planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True) is None
+  assert cheapest.choose(planner, families, [1, 2, 4, 8, 16], offload_bytes=0, race=True) is None
   assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
                     ("start", "dots", 4), ("read", "dots", 4), ("start", "dots", 8),
                     ("read", "dots", 8), ("start", "dots", 16), ("read", "dots", 16)]
@@ -522,22 +530,22 @@ def test_a_lower_bound_comes_from_the_familys_real_failures():
   donated, dots = families
   at = lambda f, k: dataclasses.replace(f, microbatches=k)  # noqa: E731
   # 4.1 + (81.19 - 8.2) / k: a donated plan aliases at most the state's output
-  assert abs(planner.lower_bound(at(donated, 2)) / GiB - 40.60) < 0.01
-  assert abs(planner.lower_bound(at(donated, 16)) / GiB - 8.66) < 0.01
-  assert planner.lower_bound(at(dots, 2)) == 0.0  # another family: nothing known
+  assert abs(model.lower_bound(planner.state, at(donated, 2)) / GiB - 40.60) < 0.01
+  assert abs(model.lower_bound(planner.state, at(donated, 16)) / GiB - 8.66) < 0.01
+  assert model.lower_bound(planner.state, at(dots, 2)) == 0.0  # another family: nothing known
   planner.observe(at(donated, 8), real_bytes=int(18.8 * GiB), fits=False)
-  assert planner.lower_bound(at(donated, 4)) == float("inf")  # fewer split: needs more
-  assert planner.lower_bound(at(donated, 8)) == float("inf")
-  assert planner.lower_bound(at(donated, 16)) < float("inf")
+  assert model.lower_bound(planner.state, at(donated, 4)) == float("inf")  # fewer split: needs more
+  assert model.lower_bound(planner.state, at(donated, 8)) == float("inf")
+  assert model.lower_bound(planner.state, at(donated, 16)) < float("inf")
   # The unsplit program is another: a failed split count says nothing of it
-  assert planner.lower_bound(at(donated, 1)) < float("inf")
+  assert model.lower_bound(planner.state, at(donated, 1)) < float("inf")
 
 
 def test_what_is_lowered_while_a_dear_first_compile_runs_is_what_a_race_starts_with():
   events = []
   planner, families = _racing_planner(_LM_NEEDS, events)
-  planner.choose(families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
-  ahead = planner_lib.race_opening(families[1:], [1, 2, 4, 8, 16],
+  cheapest.choose(planner, families, [1, 2, 4, 8, 16], offload_bytes=0, race=True)
+  ahead = space.race_opening(families[1:], [1, 2, 4, 8, 16],
                                    lambda f: _LM_FLOPS[f.remat_policy], 2, 0)
   started = [(p, k) for e, p, k in events if e == "start"]
   assert [(p.remat_policy, p.microbatches) for p in ahead] == started
@@ -547,15 +555,15 @@ def test_a_race_keeps_a_plan_bounded_just_over_the_capacity():
   # The README job: the plain step failed at 682.37 MiB (state 36.9), which "bounds"
   # microbatch(8) at 113 MiB, and that plan fits in 96: a bound is believed only
   # BOUND_SLACK over the capacity, so the race may still compile it.
-  planner = planner_lib.Planner(lambda p: 1 / 0, lambda p: 1e9, capacity=96 * MiB,
+  planner = driver_lib.Driver(lambda p: 1 / 0, lambda p: 1e9, capacity=96 * MiB,
                                 side_by_side=True, start_probes=lambda plans: 1 / 0,
                                 start_compile=lambda plan: 1 / 0)
-  planner.state_bytes = int(36.9 * MiB)
+  planner.update(state_lib.with_state_bytes, int(36.9 * MiB))
   planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=18.0)
   donated = hbm_guard.Plan(donate_argnums=(0,))
   at = lambda k: dataclasses.replace(donated, microbatches=k)  # noqa: E731
-  assert planner.lower_bound(at(8)) > 96 * MiB
-  kept = planner._contenders([donated], [2, 4, 8, 16])  # pylint: disable=protected-access
+  assert model.lower_bound(planner.state, at(8)) > 96 * MiB
+  kept = race.contenders(planner, [donated], [2, 4, 8, 16])  # pylint: disable=protected-access
   assert kept == [at(8), at(16)]  # 2 and 4 are bounded at 341 and 189 MiB
 
 
@@ -564,13 +572,13 @@ def test_a_family_that_cannot_close_the_gap_is_not_probed_ahead():
   # less the state, halved, is over 15.75 GiB. Pricing a higher class for the report
   # started a dear probe of it anyway (2 s of lowering, a compile never read).
   started = []
-  planner = planner_lib.Planner(
+  planner = driver_lib.Driver(
       lambda p: 1 / 0, lambda p: 1e12, capacity=int(15.75 * GiB), side_by_side=True,
       start_probes=lambda plans: started.extend(plans) or [lambda: (None, 1.0)] * len(plans))
-  planner.state_bytes = int(4.1 * GiB)
+  planner.update(state_lib.with_state_bytes, int(4.1 * GiB))
   planner.observe(hbm_guard.Plan(), real_bytes=int(38.61 * GiB), fits=False, seconds=18.0)
   donated = hbm_guard.Plan(donate_argnums=(0,))
-  assert planner.choose([donated], [1], offload_bytes=0) is None
+  assert cheapest.choose(planner, [donated], [1], offload_bytes=0) is None
   assert not started
 
 
@@ -586,7 +594,7 @@ def test_where_the_planner_races_the_xla_flags_are_compiled_not_probed():
   def start_compile(plan):
     raced.append(plan.describe())
     return lambda: (int(32.35 * GiB), 12.0, False)
-  planner = planner_lib.Planner(
+  planner = driver_lib.Driver(
       lambda p: 1 / 0, lambda plan: 1e12, capacity=int(15.75 * GiB), side_by_side=True,
       start_probes=lambda plans: 1 / 0, start_compile=start_compile)
   real = int(19.52 * GiB)
@@ -612,14 +620,14 @@ def test_a_count_its_familys_failure_bounds_far_over_the_capacity_is_not_probed(
   def probe(plan):
     probed.append(plan.microbatches)
     return int(figures[plan.microbatches] * MiB)
-  planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=96 * MiB,
-                                scale=planner_lib.PROBE_SCALE)
-  planner.state_bytes = int(36.9 * MiB)
+  planner = driver_lib.Driver(probe, lambda plan: 1e9, capacity=96 * MiB,
+                                scale=tuning.PROBE_SCALE)
+  planner.update(state_lib.with_state_bytes, int(36.9 * MiB))
   planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=1.8)
   donated = hbm_guard.Plan(donate_argnums=(0,))
-  assert planner.bounded_out(dataclasses.replace(donated, microbatches=4))
-  assert not planner.bounded_out(dataclasses.replace(donated, microbatches=8))  # 113 MiB
-  choice = planner.choose([donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+  assert model.bounded_out(planner.state, dataclasses.replace(donated, microbatches=4))
+  assert not model.bounded_out(planner.state, dataclasses.replace(donated, microbatches=8))  # 113 MiB
+  choice = cheapest.choose(planner, [donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
   assert choice.plan.microbatches == 8
   assert probed == [8]  # 4 and fewer are bounded out and 8 fits: no top (before: [64, 8])
 
@@ -633,13 +641,13 @@ def test_the_top_is_probed_beside_the_floor_only_where_a_core_is_left_over(width
   def start_probes(plans):
     starts.append(sorted(p.microbatches for p in plans))
     return [lambda p=p: (int(figures[p.microbatches] * MiB), 1.0) for p in plans]
-  planner = planner_lib.Planner(lambda p: 1 / 0, lambda plan: 1e9, capacity=96 * MiB,
-                                scale=planner_lib.PROBE_SCALE, start_probes=start_probes,
+  planner = driver_lib.Driver(lambda p: 1 / 0, lambda plan: 1e9, capacity=96 * MiB,
+                                scale=tuning.PROBE_SCALE, start_probes=start_probes,
                                 width=width)
-  planner.state_bytes = int(36.9 * MiB)
+  planner.update(state_lib.with_state_bytes, int(36.9 * MiB))
   planner.observe(hbm_guard.Plan(), real_bytes=int(682.37 * MiB), fits=False, seconds=1.8)
   donated = hbm_guard.Plan(donate_argnums=(0,))
-  choice = planner.choose([donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
+  choice = cheapest.choose(planner, [donated], [1, 2, 4, 8, 16, 32, 64], offload_bytes=0)
   assert choice.plan.microbatches == 8 and starts[0] == started
   assert [p.plan.microbatches for p in planner.probes] == [8]  # the top, if started: unread
 
@@ -652,17 +660,17 @@ def test_a_top_count_without_a_figure_is_searched_below_for_every_family():
   def probe(plan):
     probed.append(plan.microbatches)
     return None if plan.microbatches == 8 else int((40 + 160 / plan.microbatches) * MiB)
-  planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=100 * MiB, scale=1.0)
+  planner = driver_lib.Driver(probe, lambda plan: 1e9, capacity=100 * MiB, scale=1.0)
   donate = hbm_guard.Plan(donate_argnums=(0,))
-  assert planner.smallest_count(donate, [1, 2, 4, 8]) == 4  # 80 MiB; 2 needs 120
-  assert planner.unmeasured == {8}
+  assert bisection.smallest_count(planner, donate, [1, 2, 4, 8]) == 4  # 80 MiB; 2 needs 120
+  assert planner.state.unmeasured == {8}
   remat = dataclasses.replace(donate, remat_policy="nothing_saveable")
-  choice = planner.choose([donate, remat], [1, 2, 4, 8], offload_bytes=0)
+  choice = cheapest.choose(planner, [donate, remat], [1, 2, 4, 8], offload_bytes=0)
   assert choice.plan.microbatches == 4
   assert probed.count(8) == 1  # the count no probe measures is not asked again
-  never = planner_lib.Planner(lambda plan: None, lambda plan: 1e9, capacity=100 * MiB)
-  assert never.smallest_count(donate, [1, 2, 4, 8, 16]) is None
-  assert len(never.unmeasured) == planner_lib.MAX_PASSED_OVER
+  never = driver_lib.Driver(lambda plan: None, lambda plan: 1e9, capacity=100 * MiB)
+  assert bisection.smallest_count(never, donate, [1, 2, 4, 8, 16]) is None
+  assert len(never.state.unmeasured) == tuning.MAX_PASSED_OVER
 
 
 def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():
@@ -677,9 +685,9 @@ def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():
       probed.append(plan.microbatches)
       k = plan.microbatches
       return int((top_mib if k == 8 else 40 + 120 / k) * MiB)
-    planner = planner_lib.Planner(probe, lambda plan: 1e9, capacity=100 * MiB, scale=1.0)
+    planner = driver_lib.Driver(probe, lambda plan: 1e9, capacity=100 * MiB, scale=1.0)
     planner.observe(hbm_guard.Plan(), real_bytes=166 * MiB, fits=False)
-    count = planner.smallest_count(hbm_guard.Plan(donate_argnums=(0,)), [1, 2, 4, 8])
+    count = bisection.smallest_count(planner, hbm_guard.Plan(donate_argnums=(0,)), [1, 2, 4, 8])
     return count, probed
   count, probed = run(top_mib=212)  # above the unsplit step's real 166: not need's fall
   assert count == 4 and 4 in probed  # 100 MiB at 2 is over 95; 70 at 4

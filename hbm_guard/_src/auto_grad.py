@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +67,7 @@ class Context:
     state, static = set(state_argnums), set(static)
     batch = [x for i, a in enumerate(args) if i not in state and i not in static
              for x in jax.tree.leaves(a)] + jax.tree.leaves(kwargs)
-    batch = [x for x in batch if getattr(x, "ndim", 0) >= 1 and not _is_key(x)]
+    batch = [x for x in batch if getattr(x, "ndim", 0) >= 1 and not is_key(x)]
     states = [x for i in state if i < len(args) for x in jax.tree.leaves(args[i])]
     candidates = tuple((int(x.shape[0]), tuple(x.shape), jnp.dtype(x.dtype)) for x in batch)
     groups = tuple(_group(a) for i, a in enumerate(args) if i not in state and i not in static)
@@ -103,11 +103,11 @@ class Context:
     return (self.batch_size is not None and getattr(x, "ndim", 0) >= 1
             and hasattr(x, "dtype") and x.shape[0] == self.batch_size
             and id(x) not in self.state_ids and id(x) not in self.apart_ids
-            and not _is_key(x))
+            and not is_key(x))
 
 
 def _group(tree) -> tuple[frozenset[int], tuple[int, ...]]:
-  leaves = [x for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0) >= 1 and not _is_key(x)]
+  leaves = [x for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0) >= 1 and not is_key(x)]
   return frozenset(map(id, leaves)), tuple(int(x.shape[0]) for x in leaves)
 
 
@@ -116,7 +116,7 @@ def _commonest(candidates: tuple) -> int | None:
   return sizes.most_common(1)[0][0] if sizes else None
 
 
-def _is_key(x) -> bool:
+def is_key(x) -> bool:
   try:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
   except (AttributeError, TypeError):
@@ -128,7 +128,7 @@ def describe_leaf(x) -> str:
 
 
 @dataclasses.dataclass
-class _Traced:
+class Traced:
   """The loss traced at the whole batch, with where its inputs came from."""
   fun: Callable
   diff: tuple[int, ...]
@@ -170,7 +170,7 @@ def normalized_argnums(argnums, n_args: int) -> tuple[int, ...]:
   return tuple(i % n_args if -n_args <= i < 0 else i for i in diff)
 
 
-def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
+def trace(fun, argnums, args, kwargs, ctx: Context) -> Traced:
   diff = normalized_argnums(argnums, len(args))
   kinds, leaves = [], []
   for i, a in enumerate(args):
@@ -184,14 +184,14 @@ def trace(fun, argnums, args, kwargs, ctx: Context) -> _Traced:
   explicit = {id(x) for x in leaves}
   captured = [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer)
                                       and ctx.is_batch(x)) if id(x) not in explicit]
-  t = _Traced(fun, diff, leaves, treedef, kinds, captured, [],
+  t = Traced(fun, diff, leaves, treedef, kinds, captured, [],
               state_ids=ctx.state_ids | ctx.apart_ids)
   t.closed = jax.make_jaxpr(t.g)(*t.inputs())
   t.prog = flat.flatten(t.closed)
   return t
 
 
-def _wrap(policy_name: str | None):
+def wrap_policy(policy_name: str | None):
   if policy_name is None or policy_name == "everything_saveable":
     return None
   policy = plan_lib.checkpoint_policy(policy_name)
@@ -215,7 +215,7 @@ class Split:
   hoisted: tuple = ()
 
 
-def analyse(t: _Traced, batch: int, microbatched: bool = True) -> Split:
+def analyse(t: Traced, batch: int, microbatched: bool = True) -> Split:
   """How the traced loss splits over the batch; raises batch_axis.NotSplittable. Traced
   whole (`microbatched=False`), whether the sums' cotangent is known in advance is only
   decided where a refusal depends on it."""
@@ -288,7 +288,7 @@ def analyse(t: _Traced, batch: int, microbatched: bool = True) -> Split:
                f"{rule_note}{stats} (exact)", known, hoisted_t)
 
 
-def known_cotangent(t: _Traced, frontier, dep) -> bool:
+def known_cotangent(t: Traced, frontier, dep) -> bool:
   """Whether the sums' cotangent reads neither the parameters nor the dependent sums."""
   loss = sum_cotangent.combined_fn(t.prog, t.closed.consts, frontier, dep, t.n_diff,
                                    t.inputs()[1], t.inputs()[2])
@@ -348,252 +348,15 @@ def _depends(prog: flat.Program, roots: set) -> set:
   return dep
 
 
-def _micro_program(t: _Traced, split: Split, batch: int, k: int):
-  """The loss traced on one microbatch, checked equation for equation against the whole."""
-  m = batch // k
-  diff, other, batch_vals = t.inputs()
-  shapes = [_microbatch_of(x, m) for x in batch_vals]
-  try:
-    closed = jax.make_jaxpr(t.g)(diff, other, shapes)
-  except Exception as e:  # pylint: disable=broad-except  (a shape fixed at the batch's size)
-    raise batch_axis.NotSplittable(
-        f"the loss does not trace on a microbatch of {m} examples ({type(e).__name__}: "
-        f"{str(e).splitlines()[0] if str(e) else ''}); a constant or an argument sized by "
-        f"the whole batch (not split with it) meets per-example values") from None
-  prog = flat.flatten(closed)
-  if not flat.same_structure(t.prog, prog) or len(closed.consts) != len(t.closed.consts):
-    raise batch_axis.NotSplittable("the loss traces differently on a microbatch")
-  slot = {a: b for x, y in zip(t.prog.eqns, prog.eqns) for a, b in zip(x.outvars, y.outvars)}
-  slot.update(zip(t.prog.invars, prog.invars))
-  slot.update(zip(t.prog.constvars, prog.constvars))
-  frontier = [slot[v] for v in split.frontier]
-  outs = [prog.outvars[i] for i in split.batched_outs]
-  indices = flat.needed(prog, frontier + outs, given=[slot[v] for v in split.hoisted])
-  for i in indices:
-    _check_shrinks(t.prog.eqns[i], prog.eqns[i], split.tags, k)
-    for a, b in zip(t.prog.eqns[i].invars, prog.eqns[i].invars):
-      if _literal(a) is not None and not np.array_equal(_literal(a), _literal(b)):
-        raise batch_axis.NotSplittable(
-            f"`{prog.eqns[i].primitive.name}` in {prog.eqns[i].name_stack or 'the loss'} uses "
-            f"the batch size as a number in per-example work (e.g. x / batch_size before a sum)")
-  return closed, prog, frontier, outs, indices, slot
 
-
-def _check_shrinks(whole: flat.Eqn, micro: flat.Eqn, tags: dict, k: int) -> None:
-  """Each per-example value of the microbatch's program is its whole-batch value's shape
-  with the batch axis k times shorter. A value as long as the batch that is not split with
-  it (a constant, an argument) can broadcast against a one-example microbatch and make the
-  result as long as the batch again: that is caught here, not trained on."""
-  for w, m in zip(whole.outvars, micro.outvars):
-    tag = tags.get(w)
-    if not isinstance(tag, batch_axis.Batched):
-      continue
-    ws, ms = tuple(w.aval.shape), tuple(m.aval.shape)
-    a = tag.axis
-    if (len(ws) != len(ms) or ws[:a] != ms[:a] or ws[a + 1:] != ms[a + 1:]
-        or ms[a] * k != ws[a]):
-      raise batch_axis.NotSplittable(
-          f"{batch_axis.where(micro)} does not shrink with the microbatch ({list(ws)} at the "
-          f"whole batch, {list(ms)} at a microbatch): a value as long as the batch that is "
-          f"not split with it (a constant or an argument) meets per-example values")
-
-
-def _microbatch_of(x, m: int) -> jax.ShapeDtypeStruct:
-  """`x`'s type at m examples: its dtype, weak type and, where the step is traced under a
-  mesh, its sharding (whose absence would trace otherwise: a scalar meeting it is
-  resharded, as in flax's attention masks)."""
-  aval = jax.typeof(x)
-  sharding = getattr(aval, "sharding", None)
-  if sharding is not None and getattr(getattr(sharding, "mesh", None), "empty", True):
-    sharding = None
-  return jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype, sharding=sharding,
-                              weak_type=getattr(aval, "weak_type", False))
-
-
-def _literal(atom):
-  return None if flat.is_var(atom) or isinstance(atom, flat.Const) else np.asarray(atom.val)
-
-
-def _acc_dtype(dtype):
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-    return jnp.float32
-  return dtype
-
-
-def _key_slots(prog: flat.Program, slots, values) -> list[int]:
-  """Positions among `slots` (inputs of `prog`, with `values`) of random keys, folded per
-  microbatch: typed keys, and raw uint32 key data (`jax.random.PRNGKey`) where a random op
-  takes it as its key. A counter fed to `fold_in` as its data (nnx's `RngCount`) is not a
-  key."""
-  fed = {e.invars[0] for e in prog.eqns if e.invars and flat.is_var(e.invars[0])
-         and e.primitive.name.startswith(("random_", "threefry"))}  # (a literal: unhashable)
-  return [i for i, (v, c) in enumerate(zip(slots, values))
-          if _is_key(c) or (v in fed and jnp.dtype(c.dtype) == jnp.uint32 and c.ndim >= 1)]
-
-
-def microbatched(t: _Traced, split: Split, batch: int, k: int, policy: str | None,
-                 ctx: Context):
-  """(outputs, gradient leaves) of the loss over k microbatches: the whole batch's."""
-  closed, prog, frontier, outs, indices, slot = _micro_program(t, split, batch, k)
-  constrain = ctx.constraint({slot[v]: tag for v, tag in split.tags.items() if v in slot})
-  segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
-  wrap = _wrap(policy)
-  diff, other, batch_vals = t.inputs()
-  # Microbatch i takes examples i, i+k, i+2k, ...: a batch sharded over devices (data
-  # parallel) gives each device an equal share of every microbatch.
-  parts = [jnp.swapaxes(x.reshape((batch // k, k) + tuple(x.shape[1:])), 0, 1)
-           for x in batch_vals]
-  keys = _key_slots(prog, prog.constvars, closed.consts)
-  other_keys = _key_slots(prog, prog.invars[t.n_diff:t.n_diff + len(other)], other)
-  dep = [j for j, d in enumerate(split.dep) if d]
-  stats = _hoisted_values(t, split)
-  hoisted = [slot[v] for v in split.hoisted]
-
-  def per_micro(d, micro, i, wanted=None):
-    consts, own = list(closed.consts), list(other)
-    for p in keys:  # each microbatch draws its own random numbers
-      consts[p] = jax.random.fold_in(consts[p], i)
-    for p in other_keys:
-      own[p] = jax.random.fold_in(own[p], i)
-    env = dict(zip(prog.constvars, consts))
-    env.update(zip(prog.invars, [*d, *own, *micro]))
-    env.update(zip(hoisted, stats))
-    if wanted is not None:
-      return flat.evaluate(prog, env, flat.needed(prog, wanted, given=hoisted), wanted)
-    vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap, constrain)
-    sums, bouts = vals[:len(frontier)], vals[len(frontier):]
-    return [sums[j] for j in dep], (sums, bouts)
-
-  if split.known_cotangent is None:
-    split = dataclasses.replace(split, known_cotangent=known_cotangent(
-        t, split.frontier, split.dep))
-  if split.known_cotangent:
-    cotangents = [_known_cotangent(t, split, frontier, dep, parts, k, per_micro)]
-  else:
-    cotangents = [_unit_cotangent(frontier, dep, j, e) for j in dep
-                  for e in range(int(np.prod(frontier[j].aval.shape)))]
-
-  def body(carry, xs):
-    totals, grads = carry
-    micro, i = xs
-    _, vjp, (sums, bouts) = jax.vjp(lambda d: per_micro(d, micro, i), diff, has_aux=True)
-    new = [vjp(cot)[0] for cot in cotangents]
-    totals = [a + s.astype(a.dtype) for a, s in zip(totals, sums)]
-    grads = [[a + g.astype(a.dtype) for a, g in zip(acc, gs)] for acc, gs in zip(grads, new)]
-    return (totals, grads), bouts
-
-  zeros = ([jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in frontier],
-           [[jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff] for _ in cotangents])
-  (totals, grads), stacked = jax.lax.scan(body, zeros, (parts, jnp.arange(k)))
-  totals = [s.astype(v.aval.dtype) for s, v in zip(totals, split.frontier)]
-  basis = None if split.known_cotangent else [
-      (j, e) for j in dep for e in range(int(np.prod(frontier[j].aval.shape)))]
-  return _combine(t, split, totals, grads, basis, stacked, batch // k)
-
-
-def _hoisted_values(t: _Traced, split: Split) -> list:
-  """The parameter-free batch statistics, over the whole batch (no gradient reaches them)."""
-  if not split.hoisted:
-    return []
-  diff, other, batch_vals = t.inputs()
-  env = dict(zip(t.prog.constvars, t.closed.consts))
-  env.update(zip(t.prog.invars, [*diff, *other, *batch_vals]))
-  wanted = list(split.hoisted)
-  return [jax.lax.stop_gradient(v) for v in
-          flat.evaluate(t.prog, env, flat.needed(t.prog, wanted), wanted)]
-
-
-def _unit_cotangent(frontier, dep, j, e) -> list:
-  cot = [jnp.zeros(frontier[q].aval.shape, frontier[q].aval.dtype) for q in dep]
-  q = dep.index(j)
-  cot[q] = cot[q].reshape(-1).at[e].set(1).reshape(cot[q].shape)
-  return cot
-
-
-def _known_cotangent(t: _Traced, split: Split, frontier, dep, parts, k, per_micro) -> list:
-  """The sums' cotangent under jax.jit: from the sums that do not depend on the parameters
-  (totalled first, in a forward pass over the microbatches), where it reads any."""
-  free = [j for j, d in enumerate(split.dep) if not d]
-  diff, other, batch_vals = t.inputs()
-  loss = sum_cotangent.combined_fn(t.prog, t.closed.consts, split.frontier, split.dep,
-                                   t.n_diff, other, batch_vals)
-  free_totals = []
-  if free:
-    wanted = [frontier[j] for j in free]
-
-    def add(totals, xs):
-      micro, i = xs
-      vals = per_micro(diff, micro, i, wanted)
-      return [a + v.astype(a.dtype) for a, v in zip(totals, vals)], None
-    init = [jnp.zeros(v.aval.shape, _acc_dtype(v.aval.dtype)) for v in wanted]
-    free_totals, _ = jax.lax.scan(add, init, (parts, jnp.arange(k)))
-    free_totals = [s.astype(v.aval.dtype) for s, v in zip(free_totals, wanted)]
-  cot = sum_cotangent.value(loss, [frontier[j].aval for j in dep], free_totals, diff)
-  return [c.astype(frontier[j].aval.dtype) for c, j in zip(cot, dep)]
-
-
-def _combine(t: _Traced, split: Split, totals, grads, basis, stacked, m: int):
-  """The loss's outputs and gradients from the totals: with a known cotangent the
-  microbatches' pullbacks are the sums' whole gradient; otherwise each sum's gradient
-  (`basis`, one per element) is scaled by the totals' cotangent."""
-  prog = t.prog
-  diff, other, batch_vals = t.inputs()
-  rest = [i for i in range(len(prog.outvars)) if i not in split.batched_outs]
-  targets = [prog.outvars[i] for i in rest]
-  indices = flat.needed(prog, targets, given=split.frontier)
-
-  def combined(sums, d):
-    env = dict(zip(prog.constvars, t.closed.consts))
-    env.update(zip(prog.invars, [*d, *other, *batch_vals]))
-    env.update(zip(split.frontier, sums))
-    vals = flat.evaluate(prog, env, indices, targets)
-    return vals[0], vals
-
-  if basis is None:
-    loss, vjp, vals = jax.vjp(lambda d: combined(totals, d), diff, has_aux=True)
-    (g_direct,) = vjp(jnp.ones_like(loss))
-    g_sums = None
-  else:
-    loss, vjp, vals = jax.vjp(combined, totals, diff, has_aux=True)
-    g_sums, g_direct = vjp(jnp.ones_like(loss))
-  out = [None] * len(prog.outvars)
-  for i, v in zip(rest, vals):
-    out[i] = v
-  for i, ys in zip(split.batched_outs, stacked):
-    out[i] = _unsplit(ys, split.tags[prog.outvars[i]].axis, m)
-  result = []
-  for n, (x, gd) in enumerate(zip(diff, g_direct)):
-    g = gd.astype(_acc_dtype(x.dtype))
-    if basis is None:
-      g = g + grads[0][n].astype(g.dtype)
-    else:
-      for b, (j, e) in enumerate(basis):
-        g = g + g_sums[j].reshape(-1)[e].astype(g.dtype) * grads[b][n]
-    result.append(g.astype(x.dtype))
-  return out, result
-
-
-def _unsplit(ys, axis: int, m: int):
-  """Per-example outputs stacked per microbatch, (k, ...), back in the batch's order:
-  microbatch i held examples i, i+k, ...; the batch (m per microbatch) is the major factor
-  of `axis`, whose other factor r (a merged sequence) stays innermost."""
-  k, shape = ys.shape[0], ys.shape[1:]
-  r = shape[axis] // m
-  x = jnp.moveaxis(ys, 0, axis)  # (..., k, m * r, ...)
-  x = x.reshape(shape[:axis] + (k, m, r) + shape[axis + 1:])
-  x = jnp.swapaxes(x, axis, axis + 1)  # (..., m, k, r, ...): example j * k + i
-  return x.reshape(shape[:axis] + (m * k * r,) + shape[axis + 1:])
-
-
-def whole_batch(t: _Traced, policy: str | None, vg: Callable, constrain=None):
+def whole_batch(t: Traced, policy: str | None, vg: Callable, constrain=None):
   """(outputs, gradient leaves) over the whole batch: each repeated layer checkpointed with
   `policy`, per-example values kept where `constrain` puts them."""
   prog = t.prog
   indices = list(range(len(prog.eqns)))
   segments, _ = layers.segments(prog, indices, prog.invars[:t.n_diff])
   diff, other, batch_vals = t.inputs()
-  wrap = _wrap(policy)
+  wrap = wrap_policy(policy)
 
   def f(d):
     env = dict(zip(prog.constvars, t.closed.consts))
@@ -605,7 +368,7 @@ def whole_batch(t: _Traced, policy: str | None, vg: Callable, constrain=None):
   return vals, grads
 
 
-def unflatten(t: _Traced, out_leaves, grad_leaves, args):
+def unflatten(t: Traced, out_leaves, grad_leaves, args):
   """The loss's outputs and the gradients in the structures jax's own would have."""
   out = jax.tree_util.tree_unflatten(t.out_tree[0], out_leaves)
   structs = [jax.tree_util.tree_structure(args[i]) for i in t.diff]

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 import jax
 from jax._src import core as jax_core
@@ -22,7 +22,8 @@ from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
-from hbm_guard._src import planner as planner_lib
+from hbm_guard._src.search import tuning
+from hbm_guard._src.search.state import program
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import targets as targets_lib
 from hbm_guard._src import thread_context
@@ -60,9 +61,13 @@ class Meanwhile(Protocol):
 
 
 class Backend(Protocol):
+  """Where a fit compiles. Every capability the fit uses is declared here: `stages` says
+  whether the staging methods (lowering apart from compiling, probes and compiles run
+  beside each other) do anything; where it is false they are never called."""
   platform: str
   probe_scale: float  # real need / probe figure, before any real compile measured it
   exact_probes: bool  # a probe's figure is the very figure held against the capacity
+  stages: bool
 
   def devices(self) -> list[Any]: ...
 
@@ -78,12 +83,27 @@ class Backend(Protocol):
 
   def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts: ...
 
+  def program_text(self, plan: plan_lib.Plan, key, args, kwargs) -> str | None: ...
+
+  def stage(self, plan: plan_lib.Plan, key, args, kwargs) -> None: ...
+
+  def stage_ahead(self, plan: plan_lib.Plan, key, args, kwargs) -> None: ...
+
+  def unstage(self) -> None: ...
+
+  def staged_probe(self, plan: plan_lib.Plan, key, args, kwargs, low_effort: bool = False
+                   ) -> Callable[[], compile_lib.Trial]: ...
+
+  def staged_compile(self, plan: plan_lib.Plan, key, args, kwargs
+                     ) -> Callable[[], compile_lib.Trial]: ...
+
 
 class _Base:
   """What both backends share: the step, the options, and the facts a trial gives."""
   platform = ""
   probe_scale = 1.0
   exact_probes = True
+  stages = False  # compiles whole, one at a time: the staging methods are not called
 
   def __init__(self, step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
     self.step, self.options = step, options
@@ -92,6 +112,25 @@ class _Base:
 
   def devices(self) -> list[Any]:
     raise NotImplementedError
+
+  def program_text(self, plan, key, args, kwargs) -> str | None:
+    """The program a plan lowers to where it differs from the step's own; None here."""
+    del plan, key, args, kwargs
+    return None
+
+  def unstage(self) -> None:
+    """Nothing staged."""
+
+  def stage(self, plan, key, args, kwargs) -> None:
+    raise NotImplementedError("this backend does not stage")
+
+  stage_ahead = stage
+
+  def staged_probe(self, plan, key, args, kwargs, low_effort=False):
+    raise NotImplementedError("this backend does not stage")
+
+  def staged_compile(self, plan, key, args, kwargs):
+    raise NotImplementedError("this backend does not stage")
 
   def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
     """The plan as this host runs it (after a target's fit too): TPU flags only on a TPU."""
@@ -206,8 +245,9 @@ class TargetBackend(_Base):
   check then fails it in seconds with what the plan needs, an estimate that runs low until
   a real compile measures by how much."""
   platform = "tpu"
-  probe_scale = planner_lib.PROBE_SCALE
+  probe_scale = tuning.PROBE_SCALE
   exact_probes = False
+  stages = True
 
   def __init__(self, step, options):
     super().__init__(step, options)
@@ -255,7 +295,7 @@ class TargetBackend(_Base):
     """One compile (or probe) of `plan`; `meanwhile` runs beside the compile itself. A
     lowering made for the plan cache's key (`program_text`) is compiled, not made again."""
     options, capacity = self._options(plan, probe, low_effort)
-    staged = None if probe else self._staged.pop((planner_lib.program(plan), key), None)
+    staged = None if probe else self._staged.pop((program(plan), key), None)
     if staged is not None:
       return self._compile_staged(plan, key, args, kwargs, staged.result(), options,
                                   capacity, meanwhile, climb=True)
@@ -307,7 +347,7 @@ class TargetBackend(_Base):
     the plan cache keys a fit by. The lowering is kept for the compile of that plan: at
     368M parameters a lowering took 2.3-2.6 s, paid twice before on every fit."""
     self.stage(plan, key, args, kwargs)
-    low = self._staged[(planner_lib.program(plan), key)].result()
+    low = self._staged[(program(plan), key)].result()
     if low.failed is not None:
       return None
     self.step.learn(low.facts.get(key))
@@ -329,7 +369,7 @@ class TargetBackend(_Base):
   def stage(self, plan, key, args, kwargs) -> None:
     """Lowers a probe of `plan` now (in a thread beside another compile), to be compiled
     when asked for; a probe asked for while this runs waits for it."""
-    at = (planner_lib.program(plan), key)
+    at = (program(plan), key)
     if at in self._staged:
       return
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -343,7 +383,7 @@ class TargetBackend(_Base):
   def stage_ahead(self, plan, key, args, kwargs) -> None:
     """Lowers `plan` in a thread of its own, traced as this thread would: for a compile
     that may start once a probe is read. A compile asked for meanwhile waits for it."""
-    at = (planner_lib.program(plan), key)
+    at = (program(plan), key)
     if at not in self._staged:
       self._staged[at] = thread_context.submit(
           functools.partial(self._lower, plan, args, kwargs), "hbm_guard-lower")
@@ -368,7 +408,7 @@ class TargetBackend(_Base):
   def _staged_run(self, plan, key, args, kwargs, *, probe: bool, low_effort: bool
                   ) -> Callable[[], compile_lib.Trial]:
     options, capacity = self._options(plan, probe, low_effort)
-    staged = self._staged.pop((planner_lib.program(plan), key), None)
+    staged = self._staged.pop((program(plan), key), None)
     low = staged.result() if staged is not None else self._lower(plan, args, kwargs)
     return functools.partial(self._compile_staged, plan, key, args, kwargs, low, options,
                              capacity, probe=probe)
@@ -390,42 +430,3 @@ def make(step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
   if options.target is not None:
     return TargetBackend(step, options)
   return LocalBackend(step, options)
-
-
-def figure(trial: compile_lib.Trial) -> int | None:
-  """A probe's figure; None where it is not the plan's (a drop-in step whose batch this
-  plan's trace could not split compiled the whole batch under a microbatch plan's name)."""
-  if trial.plan.microbatches > 1 and trial.facts is not None and trial.facts.auto_refused:
-    return None
-  if trial.record is not None:
-    return trial.record.required_bytes
-  return (trial.memory or {}).get("peak")
-
-
-def probe(backend: Backend, plan: plan_lib.Plan, key, args, kwargs, low_effort: bool = False
-          ) -> int | None:
-  """What `plan` needs, cheaply: libtpu's early figure, or a full compile's peak."""
-  return figure(backend.compile(plan, key, args, kwargs, probe=True, low_effort=low_effort))
-
-
-def start_probes(backend: Backend, plans: Sequence[plan_lib.Plan], key, args, kwargs,
-                 low_effort: bool = False, pool: concurrent.futures.Executor | None = None
-                 ) -> list[concurrent.futures.Future]:
-  """Probes of `plans`, as futures of (figure, seconds). Given a pool, and a backend that
-  can stage them, each is lowered here and compiled in the pool: beside the others, and
-  beside whatever this thread does next (two dear probes at 368M took the wall time of
-  one, on 2 cores). Otherwise each runs here, now."""
-  staged = getattr(backend, "staged_probe", None)
-  if pool is None or staged is None:
-    out = []
-    for plan in plans:
-      done: concurrent.futures.Future = concurrent.futures.Future()
-      t0 = time.perf_counter()
-      done.set_result((probe(backend, plan, key, args, kwargs, low_effort),
-                       time.perf_counter() - t0))
-      out.append(done)
-    return out
-  def run(ready):
-    trial = ready()
-    return figure(trial), trial.seconds
-  return [pool.submit(run, staged(plan, key, args, kwargs, low_effort)) for plan in plans]

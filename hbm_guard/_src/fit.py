@@ -30,6 +30,7 @@ from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
+from hbm_guard._src import probing
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import prepare as prepare_lib
 from hbm_guard._src import report as report_lib
@@ -64,21 +65,19 @@ def _probe_workers() -> int:
   return min(MAX_PROBE_WORKERS, os.cpu_count() or 1)
 
 
-def above_class(planner: planner_lib.Planner | None,
+def above_class(driver: planner_lib.Driver | None,
                 last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None,
                 options: options_lib.GuardOptions) -> AboveClass | None:
   """When nothing allowed fits: would a plan of a higher class? Priced by the probes of
-  the planner that priced the climb, from its last failed plan."""
-  if planner is None or last is None:
+  the search that priced the climb, from its last failed plan."""
+  if driver is None or last is None:
     return None
   plan, facts = last
-  classes = ladder_lib.CLASSES
-  for klass in classes[classes.index(options.max_class) + 1:]:
-    fams, counts, _ = planner_lib.families(options.ladder, plan, facts, klass)
-    choice = planner.choose(fams, counts, facts.offload_bytes)
-    if choice is not None:
-      return AboveClass(klass, choice.plan.describe(), choice.predicted_bytes)
-  return None
+  found = planner_lib.above(driver, options.ladder, plan, facts, options.max_class)
+  if found is None:
+    return None
+  klass, choice = found
+  return AboveClass(klass, choice.plan.describe(), choice.predicted_bytes)
 
 
 class Ledger:
@@ -124,7 +123,7 @@ def cache_parts(step: steps_lib.StepBuilder, backend, options: options_lib.Guard
   and the compiler's settings outside the program (README: the plan cache). For a target
   the program is lowered as its first compile will be, and that lowering is compiled."""
   text = None
-  if key is not None and hasattr(backend, "program_text"):
+  if key is not None:
     text = backend.program_text(plan_lib.Plan(), key, args, kwargs)
   if text is None:
     text = step.learn_state(args, kwargs, lower=True).as_text()
@@ -173,7 +172,7 @@ class Fit:
                cache: plan_cache_lib.PlanCache | None, ledger: Ledger, key, args, kwargs):
     self.step, self.backend, self.options, self.cache = step, backend, options, cache
     self.ledger, self.key, self.args, self.kwargs = ledger, key, args, kwargs
-    self._planner: planner_lib.Planner | None = None
+    self._search: planner_lib.Driver | None = None
     self._low_effort: bool | None = None  # probes at XLA's lowest effort (dear probes)
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # probes' compiles
     self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
@@ -200,13 +199,13 @@ class Fit:
       cache_key = plan_cache_lib.digest(parts)
       start = self._from_cache(cache_key, parts, start)
       if planner_lib.program(start) != plan_lib.Plan():
-        getattr(self.backend, "unstage", lambda: None)()  # the key's lowering: not compiled
+        self.backend.unstage()  # the key's lowering: not compiled
     if not self.step.replaced and (start.shard_state or start.offload_optimizer):
       self.step.learn_state(self.args, self.kwargs)  # a planned layout needs the state first
 
     o = self.options
     prepare = (failed_run is None and start is given and o.auto_fallback
-               and o.search == options_lib.Search.PROBES and hasattr(self.backend, "stage"))
+               and o.search == options_lib.Search.PROBES and self.backend.stages)
 
     preparations = []
 
@@ -255,7 +254,7 @@ class Fit:
     finally:
       for preparation in preparations:
         preparation.close()
-      getattr(self.backend, "unstage", lambda: None)()
+      self.backend.unstage()
       if self._pool is not None:  # a probe still running is not waited for
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None
@@ -346,7 +345,7 @@ class Fit:
         lambda: self._paid(plan, self.budget.wait(future, budget_lib.Spend.COMPILE)))
     def read():
       t = trial()
-      return backend_lib.figure(t), t.seconds, t.outcome is compile_lib.Outcome.FITS
+      return probing.figure(t), t.seconds, t.outcome is compile_lib.Outcome.FITS
     read.done = future.done  # a compile a race no longer waits for still holds its core
     return read
 
@@ -358,9 +357,9 @@ class Fit:
     call that waits for its figure and seconds. The budget pays for them as for one."""
     self.budget.check(budget_lib.Spend.PROBE)
     if self._low_effort is None:  # decided once, so that a fit's probes compare
-      self._low_effort = bool(self._planner is not None and self._planner.probes_are_dear)
+      self._low_effort = bool(self._search is not None and self._search.probes_are_dear)
     self._pool = self._pool or _probe_pool()
-    futures = backend_lib.start_probes(self.backend, plans, self.key, self.args, self.kwargs,
+    futures = probing.start_probes(self.backend, plans, self.key, self.args, self.kwargs,
                                        self._low_effort, self._pool)
     return [functools.partial(self._read_probe, p, f) for p, f in zip(plans, futures)]
 
@@ -391,31 +390,31 @@ class Fit:
                  facts: ladder_lib.StepFacts):
     """The planner's choice after `plan` failed (the ladder's, with no capacity known)."""
     rec, o = trial.record, self.options
-    if self._planner is None:
+    if self._search is None:
       capacity = hosts_lib.agree_capacity(self.backend.capacity(self.args) or rec.available_bytes)
       if not capacity:
         return ladder_lib.next_plan(o.ladder, plan, facts, rec, o.max_class) + (None,)
-      self._planner = planner_lib.Planner(
+      stages = self.backend.stages
+      self._search = planner_lib.Driver(
           self._probe,
           lambda p: self.step.flops(p, self.args, self.kwargs, len(self.backend.devices())),
           capacity,
           scale=self.backend.probe_scale, exact=self.backend.exact_probes,
           headroom=o.headroom, start_probes=self._start_probes,
-          side_by_side=_probe_workers() > 1 and hasattr(self.backend, "staged_probe"),
-          start_compile=(self._start_compile if hasattr(self.backend, "staged_compile")
-                         else None), width=_probe_workers(),
+          side_by_side=_probe_workers() > 1 and stages,
+          start_compile=self._start_compile if stages else None, width=_probe_workers(),
           stage_ahead=(functools.partial(self.backend.stage_ahead, key=self.key,
                                          args=self.args, kwargs=self.kwargs)
-                       if hasattr(self.backend, "stage_ahead") else None))
+                       if stages else None))
     self._last = (plan, facts)
-    self._planner.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
+    self._search.observe(plan, rec.required_bytes, fits=False, seconds=trial.seconds)
     try:
-      return planner_lib.next_plan(self._planner, o.ladder, plan, facts, rec, o.max_class)
+      return planner_lib.next_plan(self._search, o.ladder, plan, facts, rec, o.max_class)
     except budget_lib.OutOfTime as e:  # a probe the budget could not pay for: stop here
       self._out_of_time = e
       return None, [], planner_lib.Planning(
           None, f"stopped: the time budget cannot pay for the next {e.kind}",
-          scale=self._planner.scale)
+          scale=self._search.scale)
 
   def _fail(self, result: climb_lib.Result):
     trial, attempts = result.last, result.attempts
@@ -431,7 +430,7 @@ class Fit:
           scenario=diag.scenario, summary=diag.summary,
           report_path=self.ledger.path if written else None, attempts=attempts)
     try:
-      above = above_class(self._planner, self._last, self.options)
+      above = above_class(self._search, self._last, self.options)
     except budget_lib.OutOfTime:
       above = None  # no time left to price a higher class
     written = self.ledger.write(Status.EXHAUSTED, above=above)

@@ -26,6 +26,7 @@ from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
 from hbm_guard._src import errors
 from hbm_guard._src import layers as layers_lib
+from hbm_guard._src import microbatch
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import swap
 
@@ -209,7 +210,7 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   constrain = ctx.constraint(split.tags) if split is not None else None
   try:
     if k > 1:
-      outs, grads = auto_grad.microbatched(t, split, batch, k, policy, ctx)
+      outs, grads = microbatch.microbatched(t, split, batch, k, policy, ctx)
     elif (policy is not None and segments) or constrain is not None:
       outs, grads = auto_grad.whole_batch(t, policy if segments else None,
                                           _ORIGINAL["value_and_grad"], constrain)

@@ -2,7 +2,7 @@
 
 libtpu compiles outside Python, on about one core, so Python is free while a compile runs.
 Once the compile has run long enough that a failure would make probes dear
-(planner.DEAR_COMPILE_SECONDS), a thread lowers the probes that failure starts with, then
+(search.tuning.DEAR_COMPILE_SECONDS), a thread lowers the probes that failure starts with, then
 prices the other families (a trace each). At 368M parameters on v5e:1x1 that is ~30 s of
 a core beside a failing compile of ~30 s: the fit spent 25-28 s between its two compiles,
 against 49 s without. Where probes run side by side (more than one core), it starts at
@@ -27,11 +27,12 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
-from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import thread_context
+from hbm_guard._src.search import space
+from hbm_guard._src.search import tuning
 
-AFTER_SECONDS = planner_lib.DEAR_COMPILE_SECONDS  # a compile this long: its probes are dear
+AFTER_SECONDS = tuning.DEAR_COMPILE_SECONDS  # a compile this long: its probes are dear
 
 
 class Preparation:
@@ -86,7 +87,7 @@ class Preparation:
     if time.perf_counter() - started >= AFTER_SECONDS:
       return
     o = self.options
-    probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class,
+    probes, others = space.opening(o.ladder, self.plan, step_facts, o.max_class,
                                          dear=False)
     jobs = ([self._lowering(p) for p in probes[1:]] + [self._pricing(f) for f in others]
             + [self._lowering(p) for p in probes[:1]])
@@ -119,19 +120,19 @@ class Preparation:
     return self.backend.step_facts(self.args, self.kwargs, trial)
 
   def _jobs(self, step_facts: ladder_lib.StepFacts, started: float):
-    dear = time.perf_counter() - started >= planner_lib.DEAR_COMPILE_SECONDS
+    dear = time.perf_counter() - started >= tuning.DEAR_COMPILE_SECONDS
     o = self.options
-    probes, others = planner_lib.opening(o.ladder, self.plan, step_facts, o.max_class, dear)
+    probes, others = space.opening(o.ladder, self.plan, step_facts, o.max_class, dear)
     # Dear probes, compiles side by side: the planner races compiles, not probes (the
     # failed plan's own family waits for its figure; the others' cheapest do not).
-    race = dear and self.at_once and hasattr(self.backend, "staged_compile")
+    race = dear and self.at_once and self.backend.stages
     for p in [] if race else probes:
       yield self._lowering(p)
     for f in others:
       yield self._pricing(f)
     if race:
-      _, counts, _ = planner_lib.families(o.ladder, self.plan, step_facts, o.max_class)
+      _, counts, _ = space.families(o.ladder, self.plan, step_facts, o.max_class)
       flops = lambda f: self._pricing(f)[1]()  # noqa: E731  (priced above)
-      for p in planner_lib.race_opening(others, counts, flops, self.width,
+      for p in space.race_opening(others, counts, flops, self.width,
                                         step_facts.offload_bytes):
         yield self._lowering(p)
