@@ -149,10 +149,10 @@ def test_a_microbatch_plan_the_rewrite_cannot_split_has_no_figure(tmp_path, monk
   """Where the drop-in's rewrite fails for a count (a bug the report asks to be told of),
   the plan compiles the whole batch under a microbatch plan's name: its probe says nothing
   of the plan, so it is not read as a figure, and no microbatch plan is chosen by it."""
-  from hbm_guard._src import auto_grad  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import microbatch  # pylint: disable=g-import-not-at-top
   def broken(*args, **kwargs):
     raise RuntimeError("a rewrite this jaxpr defeats")
-  monkeypatch.setattr(auto_grad, "microbatched", broken)
+  monkeypatch.setattr(microbatch, "microbatched", broken)
   step, state, batch, _ = _lm1b_guarded(tmp_path)
   try:
     step.fit(state, batch)

@@ -7,7 +7,6 @@ guard, preflight) without a jit in sight. Side effects are the callbacks' busine
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -18,14 +17,12 @@ from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
+from hbm_guard._src import report as report_lib
 
 _MAX_REFITS = 4  # microbatch counts re-chosen for an uneven batch before giving up
 
 
-class Status(enum.StrEnum):
-  FITS = "fits"
-  EXHAUSTED = "exhausted"  # no allowed plan fits
-  DIAGNOSED = "diagnosed"  # does not fit; auto fallback off, so nothing was changed
+Status = report_lib.Status  # a climb ends FITS, EXHAUSTED or DIAGNOSED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,7 @@ def divisor_at_least(n: int, k: int) -> int:
 
 
 def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_lib.Plan, *,
-          rungs: Sequence[ladder_lib.Rung], max_class: str, max_attempts: int,
+          rungs: Sequence[ladder_lib.Rung], max_class: ladder_lib.RungClass, max_attempts: int,
           auto_fallback: bool, step_facts: Callable[[compile_lib.Trial], ladder_lib.StepFacts],
           first_number: int = 1, signature: str = "",
           on_attempt: Callable[[Attempt], None] = lambda a: None,

@@ -8,6 +8,7 @@ which fallbacks the guard will try.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from typing import Any
@@ -36,6 +37,13 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
 _DEBUG_HINT = re.compile(r"debug_callback|debug_print|host_callback|io_callback|outfeed|"
                          r"pure_callback", re.I)
 _ARGUMENT_HINT = re.compile(r"XLA_Args|params|Argument \d+|parameter", re.I)
+
+
+class Scenario(enum.StrEnum):
+  """The scenarios of E1000.md."""
+  S1 = "S1"  # balance TensorCore and SparseCore usage
+  S2 = "S2"  # one unexpectedly large allocation
+  S3 = "S3"  # the total of all allocations is too large
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +80,7 @@ class PaddingFinding:
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-  scenario: str | None  # "S1", "S2", "S3", or None when E1000's advice does not apply
+  scenario: Scenario | None  # None when E1000's advice does not apply
   variant: str | None  # S1: "sc_high", "tc_high", "balanced"
   sections: tuple[str, ...]
   summary: str
@@ -316,7 +324,7 @@ def _tensorcore_sparsecore(rec: record_lib.E1000Record, large, padding) -> Diagn
     summary = (f"TensorCore {format_bytes(tc)} + SparseCore {format_bytes(sc)} exceed "
                f"{format_bytes(cap)}; neither alone does (S1, balanced: reduce both).")
   sections = ("S1",) + (("S3",) if variant != "sc_high" else ())
-  return Diagnosis("S1", variant, sections, summary, tuple(advice),
+  return Diagnosis(Scenario.S1, variant, sections, summary, tuple(advice),
                    _rungs_of(advice),
                    large, padding)
 
@@ -342,7 +350,7 @@ def _large_allocations(large, padding, padding_advice, rec: record_lib.E1000Reco
   advice.append(Advice("S2", "Use the XLA labels of these allocations to find their JAX "
                        "source (XProf memory viewer, S3.F)."))
   sections = ("S2",) + (("S3.C",) if padding_advice else ())
-  return Diagnosis("S2", None, sections, summary, tuple(advice),
+  return Diagnosis(Scenario.S2, None, sections, summary, tuple(advice),
                    _rungs_of(advice), large, padding)
 
 
@@ -379,5 +387,5 @@ def _total_too_large(rec: record_lib.E1000Record, large, padding, padding_advice
         Advice("S3", "XLA_PYTHON_CLIENT_ALLOCATOR=platform frees memory as soon as it is "
                "unused (slow; for debugging what holds memory)."),
     ]
-  return Diagnosis("S3", None, sections, summary, tuple(advice),
+  return Diagnosis(Scenario.S3, None, sections, summary, tuple(advice),
                    _rungs_of(advice), large, padding)

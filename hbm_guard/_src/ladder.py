@@ -21,8 +21,28 @@ from hbm_guard._src import errors
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
 
-CLASSES = ("exact", "numerics", "behaviour")
-KINDS = ("donate", "reshard", "compiler_options", "remat", "microbatch", "offload", "dtype")
+
+
+class RungClass(enum.StrEnum):
+  """How far a rung may change what the step computes (the ladder's `class`), in order."""
+  EXACT = "exact"  # the same math
+  NUMERICS = "numerics"  # the same math, other rounding (microbatching)
+  BEHAVIOUR = "behaviour"  # may change training (bf16)
+
+
+class RungKind(enum.StrEnum):
+  """What a rung changes: the plan field (or XLA's options) it sets."""
+  DONATE = "donate"
+  RESHARD = "reshard"
+  COMPILER_OPTIONS = "compiler_options"
+  REMAT = "remat"
+  MICROBATCH = "microbatch"
+  OFFLOAD = "offload"
+  DTYPE = "dtype"
+
+
+CLASSES = tuple(RungClass)
+KINDS = tuple(RungKind)
 # The plan field a plan-aware rung needs the step to read.
 _NEEDS_FIELD = {"remat": "remat_policy", "microbatch": "microbatches", "dtype": "compute_dtype",
                 "offload": "offload_optimizer"}
@@ -44,12 +64,17 @@ _RUNG_KEYS = frozenset({"name", "kind", "class", "section", "options", "policies
 @dataclasses.dataclass(frozen=True)
 class Rung:
   name: str
-  kind: str
-  semantic_class: str
+  kind: RungKind
+  semantic_class: RungClass
   section: str
   options: tuple[tuple[str, Any], ...] = ()
   policies: tuple[str, ...] = ()
   dtype: str | None = None
+
+  def __post_init__(self):
+    # A rung built in code, not read from JSON, names its kind and class as strings too.
+    object.__setattr__(self, "kind", RungKind(self.kind))
+    object.__setattr__(self, "semantic_class", RungClass(self.semantic_class))
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Rung":
@@ -79,14 +104,14 @@ class Rung:
     if bad:
       raise errors.InvalidLadderError(
           f"Rung {name!r}: {bad} are not in jax.checkpoint_policies.")
-    if kind == "dtype" and not isinstance(dtype, str):
+    if kind == RungKind.DTYPE and not isinstance(dtype, str):
       raise errors.InvalidLadderError(f"Rung {name!r}: a dtype rung needs 'dtype'.")
     return cls(name=name, kind=kind, semantic_class=klass, section=str(d.get("section", "")),
                options=tuple(sorted(dict(options).items())), policies=tuple(policies),
                dtype=dtype)
 
   def to_dict(self) -> dict[str, Any]:
-    d = {"name": self.name, "kind": self.kind, "class": self.semantic_class,
+    d = {"name": self.name, "kind": self.kind.value, "class": self.semantic_class.value,
          "section": self.section}
     if self.options:
       d["options"] = dict(self.options)
@@ -170,13 +195,13 @@ class Skip:
     return {"rung": self.rung, "reason": self.reason, "kind": self.kind.value}
 
 
-def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
+def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: RungClass
             ) -> tuple[SkipKind, str] | None:
   """None if the rung can be applied to `plan`; else (kind, why not)."""
   if CLASSES.index(rung.semantic_class) > CLASSES.index(max_class):
     return SkipKind.WITHHELD, (f"withheld: class '{rung.semantic_class}' is above the "
                                f"allowed '{max_class}' (allow it with max_class=...)")
-  if rung.kind == "microbatch" and facts.auto_refused:
+  if rung.kind is RungKind.MICROBATCH and facts.auto_refused:
     return SkipKind.NOT_PLAN_AWARE, (
         f"the batch was not split automatically: {facts.auto_refused} (split it yourself "
         f"with hbm_guard.value_and_grad where that is what you want)")
@@ -186,12 +211,12 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
     return SkipKind.NOT_PLAN_AWARE, ("the step is not plan-aware for this rung: no "
             "jax.value_and_grad / jax.grad / nnx.value_and_grad call was seen in the traced step "
             "(build it with hbm_guard's helpers, e.g. hbm_guard.value_and_grad / integrations.flax remat)")
-  if rung.kind == "donate":
+  if rung.kind is RungKind.DONATE:
     if not facts.state_argnums:
       return SkipKind.NOT_APPLICABLE, "no argument is declared replaced by the step (pass state_argnums=...)"
     if set(facts.state_argnums) <= set(plan.donate_argnums):
       return SkipKind.ALREADY_APPLIED, "already donated"
-  if rung.kind == "reshard":
+  if rung.kind is RungKind.RESHARD:
     if facts.num_devices < 2:
       return SkipKind.NOT_APPLICABLE, f"needs several devices; {facts.num_devices} present"
     if not facts.can_reshard:
@@ -202,14 +227,14 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
       return SkipKind.NOT_APPLICABLE, "no state argument to shard (pass state_argnums=...)"
     if plan.shard_state:
       return SkipKind.ALREADY_APPLIED, "state already sharded"
-  if rung.kind == "compiler_options":
+  if rung.kind is RungKind.COMPILER_OPTIONS:
     if facts.platform != "tpu":
       return SkipKind.NOT_APPLICABLE, f"XLA:TPU flags; compiling for {facts.platform}"
     if all(dict(plan.compiler_options).get(k) == v for k, v in rung.options):
       return SkipKind.ALREADY_APPLIED, "options already set"
-  if rung.kind == "remat" and _next_policy(rung, plan, facts) is None:
+  if rung.kind is RungKind.REMAT and _next_policy(rung, plan, facts) is None:
     return SkipKind.ALREADY_APPLIED, "every remat policy already tried"
-  if rung.kind == "offload":
+  if rung.kind is RungKind.OFFLOAD:
     if facts.platform == "cpu":
       return SkipKind.NOT_APPLICABLE, "on the CPU, device memory is host memory"
     if not facts.has_host_memory:
@@ -220,7 +245,7 @@ def applies(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, max_class: str
       return SkipKind.NOT_APPLICABLE, "in_shardings that are not NamedShardings were given to guarded_jit: the guard cannot extend them"
     if plan.offload_optimizer:
       return SkipKind.ALREADY_APPLIED, "already offloaded"
-  if rung.kind == "dtype" and plan.compute_dtype == rung.dtype:
+  if rung.kind is RungKind.DTYPE and plan.compute_dtype == rung.dtype:
     return SkipKind.ALREADY_APPLIED, f"already {rung.dtype}"
   return None
 
@@ -285,46 +310,46 @@ def microbatch_count(batch_size: int | None, current: int, rec: record_lib.E1000
 
 def saving_bound(rung: Rung, facts: StepFacts) -> int | None:
   """Most bytes a rung can save, when that is known before compiling."""
-  if rung.kind == "donate":
+  if rung.kind is RungKind.DONATE:
     return facts.state_bytes
-  if rung.kind == "reshard":
+  if rung.kind is RungKind.RESHARD:
     return facts.state_bytes - facts.state_bytes // max(1, facts.num_devices)
-  if rung.kind == "offload":
+  if rung.kind is RungKind.OFFLOAD:
     return facts.offload_bytes
   return None
 
 
-_FOLDABLE = ("donate", "reshard")  # free of compute cost: worth carrying along
+_FOLDABLE = (RungKind.DONATE, RungKind.RESHARD)  # free of compute cost: worth carrying along
 
 
 def apply(rung: Rung, plan: plan_lib.Plan, facts: StepFacts, rec: record_lib.E1000Record,
           temp_bytes: int | None, measured: Sequence[tuple[int, int]] = ()
           ) -> tuple[plan_lib.Plan | None, str]:
   """The plan one step up this rung, or (None, why not)."""
-  if rung.kind == "donate":
+  if rung.kind is RungKind.DONATE:
     argnums = tuple(sorted(set(plan.donate_argnums) | set(facts.state_argnums)))
     return plan.added(rung.name, donate_argnums=argnums), ""
-  if rung.kind == "reshard":
+  if rung.kind is RungKind.RESHARD:
     return plan.added(rung.name, shard_state=True), ""
-  if rung.kind == "compiler_options":
+  if rung.kind is RungKind.COMPILER_OPTIONS:
     return dataclasses.replace(plan.with_options(dict(rung.options)),
                                rungs=plan.rungs + (rung.name,)), ""
-  if rung.kind == "remat":
+  if rung.kind is RungKind.REMAT:
     return plan.added(rung.name, remat_policy=_next_policy(rung, plan, facts)), ""
-  if rung.kind == "microbatch":
+  if rung.kind is RungKind.MICROBATCH:
     k, why = microbatch_count(facts.batch_size, plan.microbatches, rec, temp_bytes, measured)
     if k is None:
       return None, why
     return plan.added(rung.name, microbatches=k), why
-  if rung.kind == "offload":
+  if rung.kind is RungKind.OFFLOAD:
     return plan.added(rung.name, offload_optimizer=True), ""
-  if rung.kind == "dtype":
+  if rung.kind is RungKind.DTYPE:
     return plan.added(rung.name, compute_dtype=rung.dtype), ""
   raise AssertionError(rung.kind)
 
 
 def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
-              rec: record_lib.E1000Record, max_class: str, temp_bytes: int | None = None,
+              rec: record_lib.E1000Record, max_class: RungClass, temp_bytes: int | None = None,
               history: Sequence[tuple[plan_lib.Plan, int | None]] = (),
               ) -> tuple[plan_lib.Plan | None, list[Skip]]:
   """The cheapest plan predicted to fit, from `plan` after it failed with `rec`.
@@ -342,7 +367,7 @@ def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
   folded = 0
   candidate = plan
   for rung in rungs:
-    if rung.kind not in ("remat", "microbatch") and rung.name in candidate.rungs:
+    if rung.kind not in (RungKind.REMAT, RungKind.MICROBATCH) and rung.name in candidate.rungs:
       continue
     passed = applies(rung, candidate, facts, max_class)
     if passed is not None:

@@ -29,11 +29,7 @@ from hbm_guard._src import untrusted
 PLAN_FILE_MAX_BYTES = 16 << 20  # a plan file, or a whole report holding one
 
 
-class RungClass(enum.StrEnum):
-  """How far a rung may change what the step computes (the ladder's `class`)."""
-  EXACT = "exact"  # the same math
-  NUMERICS = "numerics"  # the same math, other rounding (microbatching)
-  BEHAVIOUR = "behaviour"  # may change training (bf16)
+RungClass = ladder_lib.RungClass
 
 
 class Search(enum.StrEnum):
@@ -90,9 +86,9 @@ def _target(value: Any) -> targets_lib.Target | None:
   return targets_lib.Target.parse(value)
 
 
-def _enum(option: str, kind: type[enum.StrEnum], value: Any) -> str:
+def _enum(option: str, kind: type[enum.StrEnum], value: Any) -> Any:
   try:
-    return kind(value).value
+    return kind(value)
   except ValueError:
     raise _bad(option, "one of " + ", ".join(repr(m.value) for m in kind), value) from None
 
@@ -118,19 +114,21 @@ def read_plan(value: Any) -> plan_lib.Plan | None:
 
 @dataclasses.dataclass(frozen=True)
 class GuardOptions:
-  """The options of one guarded step. See `guarded_jit` for what each does."""
-  capacity: int | str | None = None
-  target: targets_lib.Target | str | None = None
-  max_class: str = RungClass.EXACT.value
+  """The options of one guarded step, parsed: each field holds its parsed type, whatever
+  form it was given in (a size string for `capacity`, a topology name for `target`, a
+  class name, a ladder file, a plan file...). See `guarded_jit` for what each does."""
+  capacity: int | None = None  # given as bytes, '16GiB' or a device name
+  target: targets_lib.Target | None = None  # given as a topology name
+  max_class: RungClass = RungClass.EXACT  # given as its name
   max_attempts: int = 8
-  ladder: Any = None  # a path, a list of rungs, or None for configs/ladder.json
-  state_argnums: Any = ()
+  ladder: tuple[ladder_lib.Rung, ...] = None  # given as a path or rungs; None: the default
+  state_argnums: tuple[int, ...] = ()  # given as an int or ints
   report_dir: str | os.PathLike | None = None
   auto_fallback: bool = True
   offload_filter: Callable[[Any], bool] = layout_lib.default_offload_filter
   plan_cache: str | os.PathLike | bool | None = None
-  plan: Any = None
-  search: str = Search.PROBES.value
+  plan: plan_lib.Plan | None = None  # given as a Plan, its dict, a file or a report
+  search: Search = Search.PROBES  # given as its name
   headroom: float = ladder_lib.HEADROOM
   plan_cache_retry_exhausted: bool = False
   max_fit_seconds: float | None = None  # no compile or probe starts, or is waited for, past it

@@ -57,7 +57,7 @@ def _optimistic(driver: Driver, fams: Sequence[Plan], counts: Sequence[int],
 
 
 def next_plan(driver: Driver, rungs: Sequence[ladder_lib.Rung], plan: Plan,
-              facts: ladder_lib.StepFacts, rec, max_class: str
+              facts: ladder_lib.StepFacts, rec, max_class: ladder_lib.RungClass
               ) -> tuple[Plan | None, list[ladder_lib.Skip], Planning]:
   """The search's choice after `plan` failed; the ladder's remaining rungs (XLA flags,
   dtype) from the plan that came closest when no planned plan is predicted to fit."""
@@ -91,7 +91,7 @@ def _closest(driver: Driver, fams: Sequence[Plan], plan: Plan) -> Plan:
 
 
 def above(driver: Driver, rungs: Sequence[ladder_lib.Rung], plan: Plan,
-          facts: ladder_lib.StepFacts, max_class: str) -> tuple[str, cheapest.Choice] | None:
+          facts: ladder_lib.StepFacts, max_class: ladder_lib.RungClass) -> tuple[str, cheapest.Choice] | None:
   """When nothing allowed fits: the first class above `max_class` with a plan predicted to
   fit, priced by the probes of the search that priced the climb."""
   classes = ladder_lib.CLASSES

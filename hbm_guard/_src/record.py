@@ -11,37 +11,45 @@ integer bytes. What a message does not say is `None`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import types
 from typing import Any, Mapping
 
 from hbm_guard._src import record_blocks as blocks
 
-# Kinds of record, by the message that produced them.
-COMPILE_HBM = "compile_hbm"  # "Ran out of memory in memory space hbm. Used X of Y hbm."
-COMPILE_HBM_EARLY = "compile_hbm_early"  # "HLO temporaries (X) exceeds available HBM (Y)"
-COMPILE_HBM_TC_SC = "compile_hbm_tc_sc"  # "TPU TensorCore Hbm usage: X, SparseCore ..."
-COMPILE_OTHER_MEMORY = "compile_other_memory"  # vmem / smem, E1001
-RUNTIME_HBM = "runtime_hbm"  # TPU runtime: reserve / allocate failures
-RUNTIME_GPU = "runtime_gpu"  # "Out of memory while trying to allocate N bytes"
-BUDGET = "budget"  # hbm_guard's own: memory_analysis() above a user-set capacity
 
-KINDS = (COMPILE_HBM, COMPILE_HBM_EARLY, COMPILE_HBM_TC_SC, COMPILE_OTHER_MEMORY,
-         RUNTIME_HBM, RUNTIME_GPU, BUDGET)
+
+class RecordKind(enum.StrEnum):
+  """Kinds of record, by the message that produced them."""
+  COMPILE_HBM = "compile_hbm"  # "Ran out of memory in memory space hbm. Used X of Y hbm."
+  COMPILE_HBM_EARLY = "compile_hbm_early"  # "HLO temporaries (X) exceeds available HBM (Y)"
+  COMPILE_HBM_TC_SC = "compile_hbm_tc_sc"  # "TPU TensorCore Hbm usage: X, SparseCore ..."
+  COMPILE_OTHER_MEMORY = "compile_other_memory"  # vmem / smem, E1001
+  RUNTIME_HBM = "runtime_hbm"  # TPU runtime: reserve / allocate failures
+  RUNTIME_GPU = "runtime_gpu"  # "Out of memory while trying to allocate N bytes"
+  BUDGET = "budget"  # hbm_guard's own: memory_analysis() above a user-set capacity
+
+
+(COMPILE_HBM, COMPILE_HBM_EARLY, COMPILE_HBM_TC_SC, COMPILE_OTHER_MEMORY, RUNTIME_HBM,
+ RUNTIME_GPU, BUDGET) = RecordKind
+KINDS = tuple(RecordKind)
 COMPILE_KINDS = frozenset({COMPILE_HBM, COMPILE_HBM_EARLY, COMPILE_HBM_TC_SC, BUDGET})
 
-# Byte counts that are amounts (never negative). Breakdown rows may be ("Available after
-# request: -2.55G"), so they are not checked.
 Allocation = blocks.Allocation
 parse_size = blocks.parse_size
 MAX_BYTES = blocks.MAX_BYTES
 _SIZE = blocks.SIZE
+# Byte counts that are amounts (never negative). Breakdown rows may be ("Available after
+# request: -2.55G"), so they are not checked.
 _AMOUNTS = ("used_bytes", "capacity_bytes", "exceeded_bytes", "temp_bytes", "tensorcore_bytes",
             "sparsecore_bytes", "requested_bytes", "free_bytes", "largest_free_bytes")
+
+
 @dataclasses.dataclass(frozen=True)
 class E1000Record:
   """A parsed XLA out-of-memory error. Byte counts are ints; unknowns are None."""
-  kind: str
+  kind: RecordKind
   error_code: str | None = None
   memory_space: str | None = None
   used_bytes: int | None = None
@@ -62,6 +70,7 @@ class E1000Record:
   raw: str = ""
 
   def __post_init__(self):
+    object.__setattr__(self, "kind", RecordKind(self.kind))
     if not isinstance(self.breakdown, types.MappingProxyType):
       object.__setattr__(self, "breakdown", types.MappingProxyType(dict(self.breakdown)))
     object.__setattr__(self, "allocations", tuple(self.allocations))
@@ -114,6 +123,7 @@ class E1000Record:
 
   def to_dict(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["kind"] = self.kind.value
     d["breakdown"] = dict(self.breakdown)
     d["allocations"] = [a.to_dict() for a in self.allocations]
     d["arguments_and_outputs"] = [a.to_dict() for a in self.arguments_and_outputs]

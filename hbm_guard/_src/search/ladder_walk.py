@@ -67,7 +67,7 @@ def _strongest_flags_first(driver: Driver, rest, first: Plan, facts, rec, max_cl
 
 
 def walk(driver: Driver, rungs: Sequence[ladder_lib.Rung], closest: Plan, planned: Sequence[str],
-         facts: ladder_lib.StepFacts, rec, max_class: str
+         facts: ladder_lib.StepFacts, rec, max_class: ladder_lib.RungClass
          ) -> tuple[Plan | None, list[ladder_lib.Skip]]:
   """The next plan of the ladder's remaining rungs (those not `planned`) from `closest`."""
   rest = [r for r in rungs if r.kind not in planned]

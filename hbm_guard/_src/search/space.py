@@ -13,7 +13,8 @@ from hbm_guard._src.search import tuning
 from hbm_guard._src.search.state import program
 
 Plan = plan_lib.Plan
-PLANNED = ("donate", "reshard", "remat", "microbatch", "offload")  # rung kinds searched
+Kind = ladder_lib.RungKind
+PLANNED = (Kind.DONATE, Kind.RESHARD, Kind.REMAT, Kind.MICROBATCH, Kind.OFFLOAD)  # searched
 
 
 def divisors(n: int | None, current: int = 1) -> list[int]:
@@ -22,7 +23,7 @@ def divisors(n: int | None, current: int = 1) -> list[int]:
 
 
 def families(rungs: Sequence[ladder_lib.Rung], plan: Plan, facts: ladder_lib.StepFacts,
-             max_class: str, data_parallel_failed: bool = False
+             max_class: ladder_lib.RungClass, data_parallel_failed: bool = False
              ) -> tuple[list[Plan], list[int], list[ladder_lib.Skip]]:
   """Candidate families and the counts to search, from the rungs this step can take. Free
   rungs are always on: they cost no compute."""
@@ -34,20 +35,20 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: Plan, facts: ladder_lib.Ste
   for rung in rungs:
     if rung.kind not in PLANNED:
       continue
-    why = ladder_lib.applies(rung, base if rung.kind in ("donate", "reshard") else bare,
+    why = ladder_lib.applies(rung, base if rung.kind in (Kind.DONATE, Kind.RESHARD) else bare,
                              facts, max_class)
     if why is not None:
       if why[0] is not ladder_lib.SkipKind.ALREADY_APPLIED:
         skips.append(ladder_lib.Skip(rung.name, why[1], why[0]))
       continue
-    if rung.kind in ("donate", "reshard"):
+    if rung.kind in (Kind.DONATE, Kind.RESHARD):
       base, _ = ladder_lib.apply(rung, base, facts, None, None)
-    elif rung.kind == "remat":
+    elif rung.kind is ladder_lib.RungKind.REMAT:
       allowed = ladder_lib.remat_policies(rung, facts)
       policies += [p for p in allowed if p not in policies]
-    elif rung.kind == "offload":
+    elif rung.kind is ladder_lib.RungKind.OFFLOAD:
       offloads = [False, True]
-    elif rung.kind == "microbatch":
+    elif rung.kind is ladder_lib.RungKind.MICROBATCH:
       counts = divisors(facts.batch_size, plan.microbatches)
       if facts.batch_size and not any(k > plan.microbatches for k in counts):
         skips.append(ladder_lib.Skip(rung.name, (
@@ -98,7 +99,7 @@ def first_probes(family: Plan, counts: Sequence[int], dear: bool, anchored: bool
 
 
 def opening(rungs: Sequence[ladder_lib.Rung], plan: Plan, facts: ladder_lib.StepFacts,
-            max_class: str, dear: bool) -> tuple[list[Plan], list[Plan]]:
+            max_class: ladder_lib.RungClass, dear: bool) -> tuple[list[Plan], list[Plan]]:
   """What a search does first if `plan` (a fit's first) fails: the probes it starts, of
   the likely cheapest family, and the other families it prices. Made while that compile
   runs, they are ready if it fails."""
