@@ -52,6 +52,12 @@ PROGRESS = flags.DEFINE_bool(
     "hbm_guard_progress", True,
     "Once a step does not fit, print a line to stderr for each compile and probe.")
 
+TIMED_RIVALS = flags.DEFINE_integer(
+    "hbm_guard_timed_rivals", 4,
+    "Where the step runs on this host's devices: how many plans that fit near the search's "
+    "choice are timed against it on the first steps (the fastest is kept and remembered); "
+    "0: the search's choice, priced by flops.", lower_bound=0)
+
 AUTO_PLAN_AWARE = flags.DEFINE_bool(
     "hbm_guard_auto_plan_aware", True,
     "Give an unmodified step the microbatch and remat rungs: its jax.value_and_grad / "
@@ -62,7 +68,7 @@ _HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempt
             "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
             "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
             "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS,
-            "auto_plan_aware": AUTO_PLAN_AWARE}
+            "auto_plan_aware": AUTO_PLAN_AWARE, "timed_rivals": TIMED_RIVALS}
 
 
 def guard_options(defaults: dict | None = None) -> dict:

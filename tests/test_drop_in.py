@@ -200,7 +200,7 @@ def test_a_count_whose_trace_does_not_split_is_searched_below_not_given_up(tmp_p
   def seen(trial):
     trials.append(trial)
     return figure(trial)
-  monkeypatch.setattr(backend_lib, "figure", seen)
+  monkeypatch.setattr(probing, "figure", seen)
   step = hbm_guard.guarded_jit(classifier_step, state_argnums=0, target="v5e:1x1",
                                capacity="15MiB", max_class="numerics", plan_cache=False,
                                report_dir=str(tmp_path))

@@ -68,6 +68,7 @@ class Backend(Protocol):
   probe_scale: float  # real need / probe figure, before any real compile measured it
   exact_probes: bool  # a probe's figure is the very figure held against the capacity
   stages: bool
+  runs_here: bool  # the executables compiled are the ones the step runs (not a target's)
 
   def devices(self) -> list[Any]: ...
 
@@ -104,6 +105,7 @@ class _Base:
   probe_scale = 1.0
   exact_probes = True
   stages = False  # compiles whole, one at a time: the staging methods are not called
+  runs_here = True
 
   def __init__(self, step: steps_lib.StepBuilder, options: options_lib.GuardOptions):
     self.step, self.options = step, options
@@ -248,6 +250,7 @@ class TargetBackend(_Base):
   probe_scale = tuning.PROBE_SCALE
   exact_probes = False
   stages = True
+  runs_here = False
 
   def __init__(self, step, options):
     super().__init__(step, options)

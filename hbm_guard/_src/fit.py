@@ -10,8 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
-import json
 import os
 import time
 from typing import Any, Callable
@@ -21,6 +19,7 @@ from absl import logging
 
 from hbm_guard._src import backend as backend_lib
 from hbm_guard._src import budget as budget_lib
+from hbm_guard._src import cache_key as cache_key_lib
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
@@ -37,6 +36,8 @@ from hbm_guard._src import report as report_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import thread_context
 from hbm_guard._src import trace as trace_lib
+from hbm_guard._src.search import rivals as rivals_lib
+from hbm_guard._src.search import space
 
 Status = report_lib.Status
 MAX_PROBE_WORKERS = 4  # probes side by side, at most (and no more than the host's cores)
@@ -105,7 +106,7 @@ class Ledger:
 
   def write(self, status: Status, *, final_plan: plan_lib.Plan | None = None,
             above: AboveClass | None = None, attempts: list[dict] | None = None,
-            note: str | None = None) -> bool:
+            note: str | None = None, timed: dict[str, Any] | None = None) -> bool:
     o = self.options
     data = report_lib.build(
         function=self.name, status=status,
@@ -113,56 +114,8 @@ class Ledger:
         final_plan=final_plan.to_dict() if final_plan is not None else None,
         target=o.target.name if o.target else None, capacity_bytes=o.budget,
         max_class=o.max_class, ladder=[r.to_dict() for r in o.ladder],
-        above_class=above.to_dict() if above else None, note=note)
+        above_class=above.to_dict() if above else None, note=note, timed=timed)
     return self._writer.write(data)
-
-
-def cache_parts(step: steps_lib.StepBuilder, backend, options: options_lib.GuardOptions,
-                args, kwargs, key=None) -> dict[str, Any]:
-  """What decides the plan: the program under the default plan, where it must fit, how,
-  and the compiler's settings outside the program (README: the plan cache). For a target
-  the program is lowered as its first compile will be, and that lowering is compiled."""
-  text = None
-  if key is not None:
-    text = backend.program_text(plan_lib.Plan(), key, args, kwargs)
-  if text is None:
-    text = step.learn_state(args, kwargs, lower=True).as_text()
-  parts = {
-      "program": hashlib.sha256(text.encode()).hexdigest(),
-      "where": backend.where(), "capacity": options.budget, "max_class": options.max_class,
-      "ladder": [r.to_dict() for r in options.ladder], "state_argnums": options.state_argnums,
-      "max_attempts": options.max_attempts, "search": options.search,
-      "headroom": options.headroom, "auto_plan_aware": options.auto_plan_aware,
-      "compiler_options": options.jit_kwargs.get("compiler_options"),
-      "compile_environment": plan_cache_lib.compile_environment(),
-      "versions": plan_cache_lib.versions()}
-  return json.loads(json.dumps(parts, default=repr))  # as it reads back from the file
-
-
-def trusted_entry(options: options_lib.GuardOptions, entry: plan_cache_lib.Entry,
-                  nargs: int) -> plan_cache_lib.Entry:
-  """A cache entry as this guard may use it: its plans within the options, an exhaustion
-  young enough to believe; a ValueError (a miss) otherwise."""
-  source = "the plan cache entry"
-  plan = options.trusted(entry.plan, nargs=nargs, source=source)
-  if entry.status != Status.EXHAUSTED:
-    return dataclasses.replace(entry, plan=plan, attempts=())
-  age = entry.age_seconds()
-  if age is None or not -300 <= age <= plan_cache_lib.EXHAUSTED_MAX_AGE_S:
-    raise ValueError("an exhaustion of unknown age, or older than "
-                     f"{plan_cache_lib.EXHAUSTED_MAX_AGE_S / 86400:.0f} days, is not believed")
-  attempts = []
-  for i, a in enumerate(entry.attempts[:options.max_attempts], start=1):
-    tried = options.trusted(plan_lib.Plan.from_dict(a.get("plan")), nargs=nargs,
-                            source=source)
-    if a.get("outcome") != compile_lib.Outcome.OOM:
-      raise ValueError("an exhaustion whose attempts did not all fail")
-    attempts.append({"number": i, "plan": tried.to_dict(), "described": tried.describe(),
-                     "outcome": compile_lib.Outcome.OOM.value, "seconds": 0.0,
-                     "signature": "", "skipped": []})
-  if not attempts:
-    raise ValueError("an exhaustion with no attempts")
-  return dataclasses.replace(entry, plan=plan, attempts=tuple(attempts))
 
 
 class Fit:
@@ -192,9 +145,10 @@ class Fit:
     """Climbs from `start` (or from a plan that failed at run time) to a plan that fits;
     the result, or the error that says why nothing did."""
     cache_key = parts = None
+    self.cached_under = None
     given = start
     if failed_run is None and self.cache is not None and self.options.auto_fallback:
-      parts = cache_parts(self.step, self.backend, self.options, self.args, self.kwargs,
+      parts = cache_key_lib.parts(self.step, self.backend, self.options, self.args, self.kwargs,
                           self.key)
       cache_key = plan_cache_lib.digest(parts)
       start = self._from_cache(cache_key, parts, start)
@@ -224,6 +178,7 @@ class Fit:
       if self._out_of_time is not None:
         self._stop_for_time()  # nothing fit in time: not remembered as exhausted
       if cache_key is not None:
+        self.cached_under = (cache_key, parts)
         self.cache.put(cache_key, plan_cache_lib.Entry(
             status=Status.FITS if result.status is climb_lib.Status.FITS else Status.EXHAUSTED,
             plan=result.plan, attempts=tuple(a.to_dict() for a in result.attempts),
@@ -233,6 +188,27 @@ class Fit:
       return result
     finally:  # the fit is over (its report priced): nothing left to price
       self.step.saw_traced(None, None, None, None)
+
+  def rivals(self, result: climb_lib.Result) -> rivals_lib.Field | None:
+    """What the search knew around the plan it chose, for timing plans against it where
+    the step runs here (`tournament`); None where nothing was searched."""
+    if (self._search is None or self._last is None or not self.backend.runs_here
+        or result.status is not climb_lib.Status.FITS):
+      return None
+    plan, facts = self._last
+    o, state = self.options, self._search.state
+    fams, counts, _ = space.families(o.ladder, plan, facts, o.max_class,
+                                     state.data_parallel_failed)
+    return rivals_lib.field(state, result.plan, fams, counts)
+
+  def remember(self, plan: plan_lib.Plan, attempts: tuple[dict, ...]) -> None:
+    """The plan the first steps settled on, in the plan cache in place of the search's."""
+    if self.cached_under is None:
+      return
+    cache_key, parts = self.cached_under
+    self.cache.put(cache_key, plan_cache_lib.Entry(
+        status=Status.FITS, plan=plan, attempts=attempts, parts=parts,
+        written_at=time.time()))
 
   def _climb(self, try_plan, start: plan_lib.Plan, preparations) -> climb_lib.Result | None:
     """The climb itself; what ran beside it is let go however it ends."""
@@ -279,7 +255,7 @@ class Fit:
 
   def _from_cache(self, cache_key: str, parts: dict, start: plan_lib.Plan) -> plan_lib.Plan:
     cached = self.cache.get(cache_key,
-                            lambda e: trusted_entry(self.options, e, len(self.args)))
+                            lambda e: cache_key_lib.trusted_entry(self.options, e, len(self.args)))
     if cached is None:
       return start
     if cached.status == Status.EXHAUSTED:

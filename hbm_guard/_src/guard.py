@@ -30,7 +30,10 @@ from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import record as record_lib
+from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import steps as steps_lib
+from hbm_guard._src import tournament as tournament_lib
+from hbm_guard._src.search import rivals as rivals_lib
 
 default_offload_filter = layout_lib.default_offload_filter
 
@@ -123,12 +126,51 @@ class GuardedFunction:
       self._by_signature[key] = entry
       self._many_plans = len({id(e) for e in self._by_signature.values()}) > 1
       self._plan, self._hot = result.plan, entry
+      self._time_rivals(fit, result, key, args, kwargs)
       if len(result.attempts) > 1 or self._ledger.path is not None:
         self._ledger.write(fit_lib.Status.FITS, final_plan=result.plan)
       if len(result.attempts) > 1:
         logging.info("hbm_guard: %s fits with %s after %d compile(s)", self._step.name,
                      result.plan.describe(), len(result.attempts))
       return entry
+
+  def _time_rivals(self, fit: fit_lib.Fit, result: climb_lib.Result, key, args, kwargs):
+    """Where the step runs here and the search left plans near its choice: the first steps
+    time them against it (`tournament`); one process only (several must agree on a plan)."""
+    o = self.options
+    field = (fit.rivals(result) if o.timed_rivals and not self._many_plans
+             and jax.process_count() == 1 else None)
+    if field is None or rivals_lib.next_rival(
+        field, result.plan, frozenset({planner_lib.program(result.plan)})) is None:
+      return
+    shapes = layout_lib.abstract_tree((args, kwargs))
+    def entry(plan):
+      e = self._step.plan_jit(self._backend.runnable(plan), shapes[0])
+      e.allowed.add(key)
+      return e
+    def compile_fits(plan):
+      trial = self._backend.compile(plan, key, *shapes)
+      logging.info("hbm_guard: %s, to time against %s: %s", plan.describe(),
+                   result.plan.describe(), trial.outcome)
+      return trial.outcome is compile_lib.Outcome.FITS
+    self._hot = tournament_lib.Tournament(
+        field, result.plan, entry, compile_fits,
+        functools.partial(self._settle, key, fit, entry), max_rivals=o.timed_rivals)
+
+  def _settle(self, key, fit: fit_lib.Fit, entry, outcome: tournament_lib.Outcome):
+    """The plan the first steps settled on runs this signature from now on, directly."""
+    with self._lock:
+      if not isinstance(self._hot, tournament_lib.Tournament):
+        return  # another signature was fitted meanwhile: this one keeps its plan
+      winner = entry(outcome.winner)
+      self._by_signature[key] = self._hot = winner
+      self._plan = outcome.winner
+      timed = {"why": outcome.why, "plans": [t.to_dict() for t in outcome.timings]}
+      self._ledger.write(fit_lib.Status.FITS, final_plan=outcome.winner, timed=timed)
+      fit.remember(outcome.winner, tuple(a.to_dict() for a in self._ledger.attempts))
+      logging.info("hbm_guard: %s settles on %s: %s", self._step.name,
+                   outcome.winner.describe(), ", ".join(
+                       f"{t.plan.describe()} {1000 * t.median:.2f} ms" for t in outcome.timings))
 
   def _donated_alive(self, entry: steps_lib.PlanJit, args) -> bool:
     """Whether every argument the plan donates is still there (not consumed)."""

@@ -221,3 +221,14 @@ def shapes_only(args, kwargs, static_argnums: Iterable[int], static_argnames: It
   out = tuple(a if i in static else jax.tree.map(strip, a) for i, a in enumerate(args))
   kw = {k: (v if k in names else jax.tree.map(strip, v)) for k, v in kwargs.items()}
   return out, kw
+
+
+def abstract_tree(tree):
+  """Each array as its shape, dtype and placement: for a compile in another thread, which
+  must not hold (or read) buffers the step may donate meanwhile."""
+  def strip(x):
+    if not isinstance(x, jax.Array):
+      return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                weak_type=bool(getattr(x, "weak_type", False)))
+  return jax.tree.map(strip, tree)

@@ -134,6 +134,9 @@ class GuardOptions:
   max_fit_seconds: float | None = None  # no compile or probe starts, or is waited for, past it
   progress: bool = True  # a line on stderr per compile and probe once a step did not fit
   auto_plan_aware: bool = True  # microbatch and remat an unmodified step's jax.value_and_grad
+  # Where the step runs here: plans near the search's choice timed against it on the first
+  # steps, the fastest kept (`tournament`); 0: the search's choice, priced by flops.
+  timed_rivals: int = 4
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -168,6 +171,10 @@ class GuardOptions:
         raise _bad("max_fit_seconds", "None or a positive number of seconds",
                    self.max_fit_seconds)
       put("max_fit_seconds", float(self.max_fit_seconds))
+    if (not isinstance(self.timed_rivals, numbers.Integral)
+        or isinstance(self.timed_rivals, bool) or self.timed_rivals < 0):
+      raise _bad("timed_rivals", "a number of plans, 0 or more", self.timed_rivals)
+    put("timed_rivals", int(self.timed_rivals))
     put("progress", _strict_bool("progress", self.progress))
     put("auto_plan_aware", _strict_bool("auto_plan_aware", self.auto_plan_aware))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))

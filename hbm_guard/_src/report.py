@@ -29,7 +29,8 @@ class Status(enum.StrEnum):
 def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]],
           final_plan: dict[str, Any] | None, target: str | None, capacity_bytes: int | None,
           max_class: str, ladder: list[dict[str, Any]], note: str | None = None,
-          above_class: dict[str, Any] | None = None) -> dict[str, Any]:
+          above_class: dict[str, Any] | None = None,
+          timed: dict[str, Any] | None = None) -> dict[str, Any]:
   """The report as a dict. status: climbing | fits | exhausted | diagnosed | failed."""
   last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
   withheld = sorted({s["rung"] for a in attempts for s in a.get("skipped", ())
@@ -48,6 +49,7 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
       "next_steps": next_steps(attempts) if status != Status.FITS else [],
       "largest_allocations": largest_allocations(last["record"]) if last else [],
       "above_class": above_class,
+      "timed": timed,  # the plans timed on the first steps, and why the one in force won
       "attempts": attempts,
       "ladder": ladder,
       "note": note,
@@ -276,6 +278,12 @@ def render(data: dict[str, Any]) -> str:
     from hbm_guard._src import plan as plan_lib  # pylint: disable=g-import-not-at-top
     lines.append("  plan in force: "
                  + plan_lib.Plan.from_dict(data["final_plan"]).describe())
+  timed = data.get("timed") or {}
+  if timed.get("plans"):
+    lines.append(f"  timed on the first steps ({timed.get('why')}):")
+    for t in timed["plans"]:
+      lines.append(f"    {t['plan']}: {1000 * t['median_seconds']:.2f} ms a step "
+                   f"(median of {t['steps']})")
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
   allocs = data.get("largest_allocations") or ()

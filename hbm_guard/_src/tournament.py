@@ -1,0 +1,167 @@
+"""Of the plans that fit, the fastest: timed on the user's own first steps.
+
+A flop count cannot rank plans on a device: more microbatches ran faster on a CPU (each
+fits in cache), and underfill a TPU's MXU. Where the step runs here, the plan the search
+chose is the incumbent, and rivals near it (`search.rivals`) are compiled beside its steps
+(in a thread) and then timed against it in alternating steps, each step a real one of the
+user's: plans within `max_class` compute the same training up to the rounding that class
+allows, so none is wasted. A rival that is faster by more than the noise becomes the
+incumbent. After at most `max_rivals` rivals the incumbent is settled on: the guard runs
+it directly from then on (nothing on the hot path), reports every plan's median step time
+and remembers the winner in the plan cache, so a restart compiles only it. At most two
+executables are held at a time: the incumbent's and one rival's.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+from absl import logging
+
+from hbm_guard._src import plan as plan_lib
+from hbm_guard._src.search import rivals as rivals_lib
+from hbm_guard._src.search.state import program
+
+Plan = plan_lib.Plan
+STEPS_EACH = 4  # timed steps of each of the two plans in a round, alternating
+MARGIN = 0.03  # a rival must be this much faster (median against median) to win
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """A plan's measured step times."""
+  plan: Plan
+  seconds: tuple[float, ...]
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.seconds)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"plan": self.plan.describe(), "median_seconds": round(self.median, 6),
+            "steps": len(self.seconds)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """How a tournament ended: the plan settled on, and every plan it timed, fastest first."""
+  winner: Plan
+  timings: tuple[Timing, ...]
+  why: str
+
+
+class Tournament:
+  """Runs the user's steps for one input signature until a plan is settled on.
+
+  `entry(plan)` gives the callable that runs a plan (its jit, admitted for the signature);
+  `compile_fits(plan)` compiles it (in a thread) and says whether it fits; `settle(outcome)`
+  is told the result once, and is where the guard installs the winner.
+  """
+
+  def __init__(self, field: rivals_lib.Field, incumbent: Plan,
+               entry: Callable[[Plan], Callable], compile_fits: Callable[[Plan], bool],
+               settle: Callable[[Outcome], None], *, max_rivals: int,
+               clock: Callable[[], float] = time.perf_counter):
+    self._field, self._entry, self._compile_fits = field, entry, compile_fits
+    self._settle, self._clock = settle, clock
+    self._incumbent = incumbent
+    self._runs = {program(incumbent): entry(incumbent)}
+    self._rivals_left = max_rivals
+    self._tried = frozenset({program(incumbent)})
+    self._rival: Plan | None = None
+    self._compiling: concurrent.futures.Future | None = None
+    self._schedule: collections.deque[tuple[Plan, bool]] = collections.deque()
+    self._round: dict[Plan, list[float]] = collections.defaultdict(list)
+    self._seconds: dict[Plan, list[float]] = collections.defaultdict(list)
+    self._done = False
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+  def __call__(self, args, kwargs):
+    plan, timed = self._next()
+    run = self._runs[program(plan)]
+    if not timed:
+      return run(args, kwargs)
+    t0 = self._clock()
+    out = jax.block_until_ready(run(args, kwargs))
+    seconds = self._clock() - t0
+    self._round[program(plan)].append(seconds)
+    self._seconds[program(plan)].append(seconds)
+    if not self._schedule:
+      self._judge()
+    return out
+
+  # -- the schedule ------------------------------------------------------------------------
+
+  def _next(self) -> tuple[Plan, bool]:
+    """The plan this step runs, and whether it is timed."""
+    if self._schedule:
+      return self._schedule.popleft()
+    if self._compiling is None:
+      self._start_rival()
+    elif self._compiling.done():
+      fits = self._read_rival()
+      if fits:
+        rival = self._rival
+        self._schedule.extend([(rival, False)] + [(p, True) for _ in range(STEPS_EACH)
+                                                  for p in (self._incumbent, rival)])
+        return self._schedule.popleft()
+    return self._incumbent, False  # while a rival compiles, or before the next
+
+  def _start_rival(self) -> None:
+    rival = (rivals_lib.next_rival(self._field, self._incumbent, self._tried)
+             if self._rivals_left > 0 else None)
+    if rival is None:
+      self._finish()
+      return
+    self._rivals_left -= 1
+    self._rival, self._tried = rival, self._tried | {rival}
+    # A pool's thread, not a daemon: an exit waits for the compile (XLA aborts the process
+    # if it is torn down under one).
+    self._pool = self._pool or concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="hbm_guard-rival")
+    self._compiling = self._pool.submit(self._compile_fits, rival)
+
+  def _read_rival(self) -> bool:
+    future, self._compiling = self._compiling, None
+    try:
+      fits = bool(future.result())
+    except Exception as e:  # pylint: disable=broad-except  (a rival is optional)
+      logging.warning("hbm_guard: could not compile %s to time it: %r",
+                      self._rival.describe(), e)
+      fits = False
+    if fits:
+      self._runs[program(self._rival)] = self._entry(self._rival)
+    else:
+      self._rival = None
+    return fits
+
+  def _judge(self) -> None:
+    """After a round: the faster by more than MARGIN is the incumbent; the other let go."""
+    rival, incumbent = program(self._rival), program(self._incumbent)
+    mine, theirs = (statistics.median(self._round[p]) for p in (incumbent, rival))
+    logging.info("hbm_guard: timed %s at %.4f s a step against %s at %.4f s",
+                 self._rival.describe(), theirs, self._incumbent.describe(), mine)
+    loser = rival
+    if theirs < (1 - MARGIN) * mine:
+      self._incumbent, loser = self._rival, incumbent
+    self._runs.pop(loser, None)  # two executables at most
+    self._rival, self._compiling = None, None
+    self._round.clear()
+
+  def _finish(self) -> None:
+    if self._done:
+      return
+    self._done = True
+    if self._pool is not None:
+      self._pool.shutdown(wait=False)
+    timings = sorted((Timing(p, tuple(s)) for p, s in self._seconds.items() if s),
+                     key=lambda t: t.median)
+    why = ("the fastest of the plans timed on the first steps" if len(timings) > 1 else
+           "no rival near it fits to time against")
+    self._settle(Outcome(self._incumbent, tuple(timings), why))
