@@ -24,7 +24,6 @@ from jax import value_and_grad as bound_value_and_grad
 from jax._src import api as jax_api
 
 import hbm_guard
-from hbm_guard._src import backend as backend_lib
 from hbm_guard._src import batch_axis
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import jaxpr_flat

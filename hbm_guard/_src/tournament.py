@@ -3,9 +3,9 @@
 A flop count cannot rank plans on a device: more microbatches ran faster on a CPU (each
 fits in cache), and underfill a TPU's MXU. Where the step runs here, the plan the search
 chose is the incumbent, and rivals near it (`search.rivals`) are compiled beside its steps
-(in a thread) and then timed against it in alternating steps, each step a real one of the
-user's: plans within `max_class` compute the same training up to the rounding that class
-allows, so none is wasted. A rival that is faster by more than the noise becomes the
+(in a thread, after its first few) and then timed against it in alternating steps, each a
+real step of the user's: plans within `max_class` compute the same training up to the
+rounding that class allows, so none is wasted. A rival that is faster by more than the noise becomes the
 incumbent. After at most `max_rivals` rivals the incumbent is settled on: the guard runs
 it directly from then on (nothing on the hot path), reports every plan's median step time
 and remembers the winner in the plan cache, so a restart compiles only it. At most two
@@ -30,6 +30,10 @@ from hbm_guard._src.search.state import program
 
 Plan = plan_lib.Plan
 STEPS_EACH = 4  # timed steps of each of the two plans in a round, alternating
+# Steps of the incumbent before the first rival is compiled: a job's first steps are often
+# not its typical ones (allocations, the input pipeline), and a loop this short (a test,
+# a smoke run) pays for no rival.
+SETTLING_STEPS = 5
 MARGIN = 0.03  # a rival must be this much faster (median against median) to win
 
 
@@ -81,6 +85,7 @@ class Tournament:
     self._seconds: dict[Plan, list[float]] = collections.defaultdict(list)
     self._done = False
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._untimed = SETTLING_STEPS
 
   def __call__(self, args, kwargs):
     plan, timed = self._next()
@@ -102,6 +107,9 @@ class Tournament:
     """The plan this step runs, and whether it is timed."""
     if self._schedule:
       return self._schedule.popleft()
+    if self._untimed > 0:
+      self._untimed -= 1
+      return self._incumbent, False
     if self._compiling is None:
       self._start_rival()
     elif self._compiling.done():

@@ -1,0 +1,276 @@
+"""Of the plans that fit, does the guard train on the fastest? (issue #41)
+
+    .venv/bin/python -m benchmarks.bench_plan_quality [--model mixer|lm|encdec|mlp|all]
+
+Four ordinary Flax steps the tests do not use (an MLP-Mixer on 64x64 images, a decoder LM,
+an encoder-decoder, a wide MLP; AdamW), each on this host's CPU under `capacity=` at 70%,
+50% and 35% of its donated step's peak. For each model every plan of the space (donation
+on; remat policy none / dots / nothing; every microbatch count to 32) is compiled once,
+its peak read, and the plans are timed in alternating rounds in one process. For each
+capacity the guard then fits the step from scratch and trains until its first steps
+settle on a plan. A row prints the plan it settled on, the fastest plan that fits, chosen
+÷ fastest by the alternating timings, and the fit's seconds against one compile of the
+chosen plan. A benchmark, not a test: the seconds are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax.training import train_state
+
+import hbm_guard
+
+CAPACITIES = (0.70, 0.50, 0.35)
+POLICIES = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
+MAX_COUNT = 32
+ROUNDS, STEPS = 5, 3  # alternating rounds of every plan, steps timed per plan a round
+
+
+# -- the models ------------------------------------------------------------------------------
+
+class _MixerBlock(nn.Module):
+  tokens: int
+  channels: int
+
+  @nn.compact
+  def __call__(self, x):
+    y = jnp.swapaxes(nn.LayerNorm()(x), 1, 2)
+    y = nn.Dense(self.tokens)(nn.gelu(nn.Dense(2 * self.tokens)(y)))
+    x = x + jnp.swapaxes(y, 1, 2)
+    y = nn.LayerNorm()(x)
+    return x + nn.Dense(self.channels)(nn.gelu(nn.Dense(4 * self.channels)(y)))
+
+
+class _Mixer(nn.Module):
+  @nn.compact
+  def __call__(self, img):
+    x = nn.Conv(128, (8, 8), strides=(8, 8))(img)
+    x = x.reshape(x.shape[0], -1, x.shape[-1])
+    for i in range(4):
+      x = _MixerBlock(x.shape[1], 128, name=f"block_{i}")(x)
+    return nn.Dense(100)(nn.LayerNorm()(x).mean(axis=1))
+
+
+class _Block(nn.Module):
+  causal: bool = False
+
+  @nn.compact
+  def __call__(self, x, context=None, mask=None):
+    y = nn.LayerNorm()(x)
+    x = x + nn.SelfAttention(4)(y, mask=nn.make_causal_mask(x[..., 0]) if self.causal else mask)
+    if context is not None:
+      x = x + nn.MultiHeadDotProductAttention(4)(nn.LayerNorm()(x), context)
+    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
+
+
+class _LM(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(2048, 128)(tokens)
+    for i in range(4):
+      x = _Block(causal=True, name=f"block_{i}")(x)
+    return nn.Dense(2048)(nn.LayerNorm()(x))
+
+
+class _EncDec(nn.Module):
+  @nn.compact
+  def __call__(self, src, tgt):
+    embed = nn.Embed(2048, 128)
+    enc = embed(src)
+    for i in range(3):
+      enc = _Block(name=f"encoder_{i}")(enc)
+    dec = embed(tgt)
+    for i in range(3):
+      dec = _Block(causal=True, name=f"decoder_{i}")(dec, context=enc)
+    return embed.attend(nn.LayerNorm()(dec))
+
+
+class _WideMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(4):
+      x = nn.gelu(nn.Dense(1024, name=f"block_{i}")(x))
+    return nn.Dense(100)(x)
+
+
+def _classify(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def _next_token(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, *batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def models():
+  """name -> (module, step, batch of concrete arrays)."""
+  rng = np.random.default_rng(0)
+  tok = lambda *s: jnp.asarray(rng.integers(0, 2048, s), jnp.int32)  # noqa: E731
+  return {
+      "mixer": (_Mixer(), _classify, {"x": jnp.asarray(rng.normal(size=(32, 64, 64, 3)),
+                                                        jnp.float32),
+                                      "y": jnp.asarray(rng.integers(0, 100, 32), jnp.int32)}),
+      "lm": (_LM(), _next_token, {"inputs": (tok(16, 64),), "y": tok(16, 64)}),
+      "encdec": (_EncDec(), _next_token, {"inputs": (tok(16, 64), tok(16, 64)),
+                                          "y": tok(16, 64)}),
+      "mlp": (_WideMLP(), _classify, {"x": jnp.asarray(rng.normal(size=(256, 512)),
+                                                       jnp.float32),
+                                      "y": jnp.asarray(rng.integers(0, 100, 256), jnp.int32)}),
+  }
+
+
+def _state(module, batch):
+  example = batch["inputs"] if "inputs" in batch else (batch["x"],)
+  params = module.init(jax.random.key(0), *example)["params"]
+  return train_state.TrainState.create(apply_fn=module.apply, params=params,
+                                       tx=optax.adamw(1e-3))
+
+
+def _batch_size(batch) -> int:
+  return jax.tree.leaves(batch)[0].shape[0]
+
+
+# -- every plan, timed -------------------------------------------------------------------------
+
+def _space(batch_size: int) -> list[hbm_guard.Plan]:
+  counts = [k for k in range(1, min(batch_size, MAX_COUNT) + 1) if batch_size % k == 0]
+  return [hbm_guard.Plan(donate_argnums=(0,), remat_policy=p, microbatches=k)
+          for p in POLICIES for k in counts]
+
+
+def _peak(memory) -> int:
+  return memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+
+
+def _pinned(step, plan):
+  return hbm_guard.guarded_jit(step, state_argnums=0, plan=plan, auto_fallback=False,
+                               max_class="numerics", plan_cache=False, progress=False,
+                               timed_rivals=0, report_dir=tempfile.mkdtemp())
+
+
+def every_plan(module, step, batch) -> dict[hbm_guard.Plan, dict]:
+  """Each plan of the space: its peak and its step times (alternating rounds)."""
+  runs = {}
+  for plan in _space(_batch_size(batch)):
+    g = _pinned(step, plan)
+    state = _state(module, batch)
+    t0 = time.perf_counter()
+    compiled = g.lower(state, batch).compile()
+    runs[plan] = {"peak": _peak(compiled.memory_analysis()), "compile_s": time.perf_counter() - t0,
+                  "step": g, "state": state, "times": []}
+    runs[plan]["state"], _ = jax.block_until_ready(g(state, batch))  # the jit's own compile
+  for _ in range(ROUNDS):
+    for run in runs.values():
+      for _ in range(STEPS):
+        t0 = time.perf_counter()
+        run["state"], loss = jax.block_until_ready(run["step"](run["state"], batch))
+        run["times"].append(time.perf_counter() - t0)
+  return {p: {"peak": r["peak"], "compile_s": r["compile_s"],
+              "median_s": statistics.median(r["times"])} for p, r in runs.items()}
+
+
+# -- the guard -------------------------------------------------------------------------------
+
+def guard(module, step, batch, capacity: int, max_steps: int = 400) -> dict:
+  """The guard from scratch at `capacity`: its fit, and the plan its first steps settle on."""
+  report_dir = tempfile.mkdtemp()
+  g = hbm_guard.guarded_jit(step, state_argnums=0, capacity=capacity, max_class="numerics",
+                            plan_cache=False, progress=False, report_dir=report_dir)
+  state = _state(module, batch)
+  t0 = time.perf_counter()
+  state, _ = jax.block_until_ready(g(state, batch))
+  fit_s, searched, steps = time.perf_counter() - t0, g.plan, 1
+  timed = None
+  t1 = time.perf_counter()
+  while steps < max_steps:
+    state, _ = g(state, batch)
+    steps += 1
+    if steps % 10 == 0 and g.report_path:
+      with open(g.report_path, encoding="utf-8") as f:
+        timed = json.load(f).get("timed")
+      if timed:
+        break
+  jax.block_until_ready(state)
+  return {"fit_s": fit_s, "searched": searched, "chosen": g.plan, "steps": steps,
+          "settle_s": time.perf_counter() - t1, "timed": timed}
+
+
+def rows(name: str) -> list[dict]:
+  module, step, batch = models()[name]
+  plans = every_plan(module, step, batch)
+  donated = min(p["peak"] for plan, p in plans.items()
+                if plan.microbatches == 1 and plan.remat_policy is None)
+  out = []
+  for fraction in CAPACITIES:
+    capacity = int(fraction * donated)
+    fits = {plan: p for plan, p in plans.items() if p["peak"] <= capacity}
+    row = {"model": name, "capacity": f"{fraction:.0%}", "capacity_bytes": capacity}
+    if not fits:
+      out.append({**row, "chosen": "-", "fastest": "-", "ratio": None})
+      continue
+    fastest = min(fits, key=lambda p: fits[p]["median_s"])
+    g = guard(module, step, batch, capacity)
+    chosen = dataclasses.replace(g["chosen"], rungs=())
+    chosen_s = plans.get(chosen, {}).get("median_s")
+    out.append({**row, "searched": g["searched"].describe(), "chosen": chosen.describe(),
+                "fastest": fastest.describe(), "fitting": len(fits),
+                "ratio": chosen_s / fits[fastest]["median_s"] if chosen_s else None,
+                "searched_ratio": (plans[dataclasses.replace(g["searched"], rungs=())]
+                                   ["median_s"] / fits[fastest]["median_s"]),
+                "fit_s": g["fit_s"], "compile_s": plans.get(chosen, {}).get("compile_s"),
+                "settle_steps": g["steps"]})
+  return out
+
+
+def markdown(results: list[dict]) -> str:
+  lines = ["| model | capacity | plans that fit | searched (flops) | settled on | fastest that "
+           "fits | settled ÷ fastest | searched ÷ fastest | fit s / one compile s | steps to "
+           "settle |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in results:
+    if r.get("ratio") is None and r["chosen"] == "-":
+      lines.append(f"| {r['model']} | {r['capacity']} | 0 | - | - | - | - | - | - | - |")
+      continue
+    ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "?"
+    lines.append(f"| {r['model']} | {r['capacity']} | {r['fitting']} | {r['searched']} | "
+                 f"{r['chosen']} | {r['fastest']} | {ratio} | {r['searched_ratio']:.3f} | "
+                 f"{r['fit_s']:.1f} / {r['compile_s']:.1f} | {r['settle_steps']} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--model", default="all", choices=["all", *models()])
+  parser.add_argument("--json", help="also write the rows here")
+  args = parser.parse_args()
+  names = list(models()) if args.model == "all" else [args.model]
+  results = []
+  for name in names:
+    results += rows(name)
+    print(markdown(results[-len(CAPACITIES):]), flush=True)
+  print()
+  print(markdown(results))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()

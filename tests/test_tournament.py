@@ -1,0 +1,180 @@
+"""Of the plans that fit, the fastest: rivals near the search's choice, timed on the first
+steps against it (tournament.py, search/rivals.py), driven here with fake plans and a fake
+clock; and once with the real compiler on this host."""
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import linen as nn
+from flax.training import train_state
+
+import hbm_guard
+from hbm_guard._src import plan_cache as plan_cache_lib
+from hbm_guard._src import report as report_lib
+from hbm_guard._src import tournament as tournament_lib
+from hbm_guard._src.search import rivals as rivals_lib
+from hbm_guard._src.search import state as state_lib
+
+Plan = hbm_guard.Plan
+DONATE = Plan(donate_argnums=(0,))
+DOTS = dataclasses.replace(DONATE, remat_policy="dots_with_no_batch_dims_saveable")
+NOTHING = dataclasses.replace(DONATE, remat_policy="nothing_saveable")
+at = lambda p, k: dataclasses.replace(p, microbatches=k)  # noqa: E731
+
+
+def _field(chosen, fitting=(), failing=(), counts=(1, 2, 4, 8, 16)):
+  return rivals_lib.Field(chosen, (DONATE, DOTS, NOTHING), tuple(counts),
+                          frozenset(fitting) | {chosen}, frozenset(failing))
+
+
+def test_rivals_are_twice_the_microbatches_then_less_remat_at_its_fewest_fitting_count():
+  f = _field(at(DOTS, 2), fitting=[at(DONATE, 4), at(DONATE, 8)], failing=[at(DONATE, 2)])
+  tried = frozenset({at(DOTS, 2)})
+  assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == at(DOTS, 4)
+  tried |= {at(DOTS, 4)}
+  assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == at(DONATE, 4)  # no remat: fewest that fit
+  tried |= {at(DONATE, 4)}
+  assert rivals_lib.next_rival(f, at(DOTS, 2), tried) is None
+  # from a plan without remat: only more microbatches; none past the largest count
+  assert rivals_lib.next_rival(f, at(DONATE, 16), frozenset()) is None
+
+
+def test_no_field_where_the_figures_are_estimates_or_the_choice_was_not_searched():
+  state = state_lib.SearchState(capacity=100, exact=False)
+  assert rivals_lib.field(state, DONATE, [DONATE], [1, 2]) is None
+  exact = state_lib.observe_probe(state_lib.SearchState(capacity=100, exact=True),
+                                  at(DONATE, 2), 90, 1.0)
+  f = rivals_lib.field(exact, DONATE, [DONATE], [1, 2])
+  assert f is not None and at(DONATE, 2) in f.fitting
+  flagged = dataclasses.replace(DONATE, compiler_options=(("xla_flag", True),))
+  assert rivals_lib.field(exact, flagged, [DONATE], [1, 2]) is None
+
+
+class _Clock:
+  """A step of `plan` takes `speed[plan]` seconds; the clock is read around each step."""
+
+  def __init__(self, speed):
+    self.speed, self.now, self.running = speed, 0.0, None
+
+  def __call__(self):
+    if self.running is not None:
+      self.now += self.speed[self.running]
+    return self.now
+
+
+def _tournament(speed, field, chosen, fits=lambda p: True, max_rivals=4):
+  clock, ran, settled = _Clock(speed), [], []
+  def entry(plan):
+    def run(args, kwargs):
+      clock.running = plan
+      ran.append(plan)
+      return args[0] + 1
+    return run
+  t = tournament_lib.Tournament(field, chosen, entry, fits, settled.append,
+                                max_rivals=max_rivals, clock=clock)
+  return t, ran, settled
+
+
+def _run(t, settled, seconds=30.0):
+  """Steps until the tournament settles (its rivals compile in a thread: let it run)."""
+  x, end = 0, time.monotonic() + seconds
+  while not settled and time.monotonic() < end:
+    x = t((x,), {})
+    time.sleep(0.001)
+  return x
+
+
+def test_the_faster_rival_wins_and_the_chain_goes_on_from_it():
+  speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 0.8, at(DONATE, 8): 0.9}
+  t, ran, settled = _tournament(speed, _field(at(DONATE, 2)), at(DONATE, 2))
+  x = _run(t, settled)
+  (outcome,) = settled
+  assert outcome.winner == at(DONATE, 4)  # 8 was timed against it and lost
+  assert [tm.plan for tm in outcome.timings] == [at(DONATE, 4), at(DONATE, 8), at(DONATE, 2)]
+  assert x == len(ran)  # every step ran once, each on one plan: none lost or repeated
+  timed = {p: len(s) for p, s in ((tm.plan, tm.seconds) for tm in outcome.timings)}
+  assert timed[at(DONATE, 8)] == tournament_lib.STEPS_EACH
+
+
+def test_a_rival_within_the_noise_does_not_displace_the_incumbent():
+  speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 0.99}
+  t, _, settled = _tournament(speed, _field(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2))
+  _run(t, settled)
+  assert settled[0].winner == at(DONATE, 2)
+
+
+def test_a_rival_that_does_not_fit_is_never_run_and_the_count_of_rivals_is_bounded():
+  speed = {at(DONATE, k): 1.0 / k for k in (1, 2, 4, 8, 16)}
+  t, ran, settled = _tournament(speed, _field(DONATE), DONATE,
+                                fits=lambda p: p != at(DONATE, 2))
+  _run(t, settled)
+  assert at(DONATE, 2) not in ran and settled[0].winner == DONATE  # 2 does not fit
+  t, ran, settled = _tournament(speed, _field(DONATE), DONATE, max_rivals=2)
+  _run(t, settled)
+  assert settled[0].winner == at(DONATE, 4) and at(DONATE, 8) not in ran
+
+
+# -- with the compiler ----------------------------------------------------------------------
+
+class _MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(3):
+      x = nn.relu(nn.Dense(512, name=f"block_{i}")(x))
+    return nn.Dense(10)(x)
+
+
+def _step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def _timed(path) -> bool:
+  with open(path, encoding="utf-8") as f:
+    return bool(json.load(f).get("timed"))
+
+
+@pytest.mark.parametrize("rivals", [0, 2])
+def test_the_first_steps_settle_on_a_timed_plan_reported_and_remembered(tmp_path, rivals):
+  model, x = _MLP(), jnp.ones((64, 256))
+  batch = {"x": x, "y": jnp.zeros((64,), jnp.int32)}
+  def fresh():
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+        tx=optax.adam(1e-3))
+  plain = jax.jit(_step).lower(fresh(), batch).compile().memory_analysis()
+  peak = plain.temp_size_in_bytes + plain.argument_size_in_bytes + plain.output_size_in_bytes
+  opts = dict(state_argnums=0, capacity=int(0.9 * peak), max_class="numerics",
+              plan_cache=str(tmp_path / "cache"), report_dir=str(tmp_path), progress=False,
+              timed_rivals=rivals)
+  step, state = hbm_guard.guarded_jit(_step, **opts), fresh()
+  searched, end = None, time.monotonic() + 120
+  for i in range(2000):  # until the first steps settle (rivals compile beside them)
+    state, loss = step(state, batch)
+    searched = searched or step.plan
+    if i % 10 == 9 and (not rivals or _timed(step.report_path) or time.monotonic() > end):
+      break
+  report = report_lib.render_path(step.report_path)
+  if not rivals:
+    assert "timed on the first steps" not in report and step.plan == searched
+    return
+  assert "timed on the first steps" in report, report
+  with open(step.report_path, encoding="utf-8") as f:
+    data = json.load(f)
+  timed = data["timed"]["plans"]
+  assert len(timed) >= 2 and timed[0]["plan"] == step.plan.describe()
+  assert timed == sorted(timed, key=lambda t: t["median_seconds"])
+  # a restart starts from (and compiles only) the plan the steps settled on
+  cache = plan_cache_lib.resolve(str(tmp_path / "cache"))
+  again = hbm_guard.guarded_jit(_step, **opts)
+  again(fresh(), batch)
+  assert again.plan == step.plan and len(again.attempts) == 1
+  assert cache is not None
