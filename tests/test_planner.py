@@ -10,6 +10,7 @@ from hbm_guard._src import planner as planner_lib
 from hbm_guard._src.search import bisection
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import driver as driver_lib
+from hbm_guard._src.search import hint
 from hbm_guard._src.search import model
 from hbm_guard._src.search import race
 from hbm_guard._src.search import space
@@ -692,3 +693,27 @@ def test_a_top_count_reading_above_a_real_compile_of_fewer_is_looked_below():
   count, probed = run(top_mib=212)  # above the unsplit step's real 166: not need's fall
   assert count == 4 and 4 in probed  # 100 MiB at 2 is over 95; 70 at 4
   assert run(top_mib=150) == (None, [2, 8])  # under 166 and over 95: the family cannot fit
+
+
+def test_a_refusals_hint_costs_a_few_probes_not_a_search():
+  # The exact search measured each family unsplit; the wider class's hint predicts the
+  # count from F + P / k and probes it, then the count the two figures predict: at most two
+  # probes a family, where a bisection over 8 counts took three or four.
+  def need(plan):  # the state (20 MiB) plus activations that split
+    per = 133 if plan.remat_policy is None else 54
+    return int((20 + per / plan.microbatches + (4 if plan.microbatches > 1 else 0)) * MiB)
+  probed = []
+  def probe(plan):
+    probed.append(plan)
+    return need(plan)
+  flops = lambda p: 1e9 if p.remat_policy is None else 1.3e9  # noqa: E731
+  planner = driver_lib.Driver(probe, flops, capacity=43 * MiB, exact=True)
+  planner.update(state_lib.with_state_bytes, 20 * MiB)
+  donate = hbm_guard.Plan(donate_argnums=(0,))
+  dots = dataclasses.replace(donate, remat_policy="dots_with_no_batch_dims_saveable")
+  for family in (donate, dots):
+    planner.need(family)  # as the exact search left them
+  probed.clear()
+  choice = hint.wider(planner, [donate, dots], [1, 2, 4, 8, 16, 32], offload_bytes=0)
+  assert choice.plan == dataclasses.replace(donate, microbatches=8)  # 20 + 16.6 + 4 <= 40.85
+  assert len(probed) <= 2

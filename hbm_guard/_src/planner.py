@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src.search import cheapest
+from hbm_guard._src.search import hint
 from hbm_guard._src.search import ladder_walk
 from hbm_guard._src.search import model
 from hbm_guard._src.search import space
@@ -91,13 +92,18 @@ def _closest(driver: Driver, fams: Sequence[Plan], plan: Plan) -> Plan:
 
 
 def above(driver: Driver, rungs: Sequence[ladder_lib.Rung], plan: Plan,
-          facts: ladder_lib.StepFacts, max_class: ladder_lib.RungClass) -> tuple[str, cheapest.Choice] | None:
+          facts: ladder_lib.StepFacts, max_class: ladder_lib.RungClass
+          ) -> tuple[str, cheapest.Choice] | None:
   """When nothing allowed fits: the first class above `max_class` with a plan predicted to
-  fit, priced by the probes of the search that priced the climb."""
+  fit, by the figures of the search that priced the climb and a few probes more
+  (`search.hint`). A class that adds no planned rung is not searched again."""
   classes = ladder_lib.CLASSES
+  searched = space.families(rungs, plan, facts, max_class)[:2]
   for klass in classes[classes.index(max_class) + 1:]:
     fams, counts, _ = space.families(rungs, plan, facts, klass)
-    choice = cheapest.choose(driver, fams, counts, facts.offload_bytes)
+    if (fams, counts) == searched:
+      continue
+    choice = hint.wider(driver, fams, counts, facts.offload_bytes)
     if choice is not None:
       return klass, choice
   return None
