@@ -178,3 +178,27 @@ def test_the_first_steps_settle_on_a_timed_plan_reported_and_remembered(tmp_path
   again(fresh(), batch)
   assert again.plan == step.plan and len(again.attempts) == 1
   assert cache is not None
+
+
+def test_a_rival_that_fails_at_run_time_is_let_go_and_the_step_runs_on_the_incumbent():
+  speed = {at(DONATE, 1): 1.0, at(DONATE, 2): 0.5, at(DONATE, 4): 0.9}
+  clock, ran, settled = _Clock(speed), [], []
+  def entry(plan):
+    def run(args, kwargs):
+      if plan == at(DONATE, 2):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 1024 bytes.")
+      clock.running = plan
+      ran.append(plan)
+      return args[0] + 1
+    return run
+  t = tournament_lib.Tournament(_field(DONATE), DONATE, entry, lambda p: True, settled.append,
+                                max_rivals=4, clock=clock, recoverable=lambda e, a: True)
+  x = _run(t, settled)
+  assert x == len(ran)  # the failed step ran again on the incumbent: none lost
+  assert settled[0].winner == DONATE and at(DONATE, 2) not in [tm.plan for tm in
+                                                               settled[0].timings]
+  strict = tournament_lib.Tournament(_field(DONATE), DONATE, entry, lambda p: True,
+                                     settled.append, max_rivals=4, clock=clock)
+  with pytest.raises(jax.errors.JaxRuntimeError):  # not known to be safe: raised
+    _run(strict, [])

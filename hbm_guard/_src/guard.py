@@ -153,9 +153,14 @@ class GuardedFunction:
       logging.info("hbm_guard: %s, to time against %s: %s", plan.describe(),
                    result.plan.describe(), trial.outcome)
       return trial.outcome is compile_lib.Outcome.FITS
+    def recoverable(error, call_args):  # a rival's allocation failed: nothing consumed
+      rec = record_lib.parse(error)
+      return (rec is not None and not rec.is_compile_time
+              and self._donated_alive(entry(result.plan), call_args))
     self._hot = tournament_lib.Tournament(
         field, result.plan, entry, compile_fits,
-        functools.partial(self._settle, key, fit, entry), max_rivals=o.timed_rivals)
+        functools.partial(self._settle, key, fit, entry), max_rivals=o.timed_rivals,
+        recoverable=recoverable)
 
   def _settle(self, key, fit: fit_lib.Fit, entry, outcome: tournament_lib.Outcome):
     """The plan the first steps settled on runs this signature from now on, directly."""

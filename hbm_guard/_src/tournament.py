@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import statistics
+import threading
 import time
 from typing import Any, Callable
 
@@ -65,15 +66,19 @@ class Tournament:
 
   `entry(plan)` gives the callable that runs a plan (its jit, admitted for the signature);
   `compile_fits(plan)` compiles it (in a thread) and says whether it fits; `settle(outcome)`
-  is told the result once, and is where the guard installs the winner.
+  is told the result once, and is where the guard installs the winner. `recoverable(error,
+  args)`: whether a rival's run failed before it consumed anything (a GPU's allocation at
+  run time), so that the step is run again on the incumbent and the rival let go.
   """
 
   def __init__(self, field: rivals_lib.Field, incumbent: Plan,
                entry: Callable[[Plan], Callable], compile_fits: Callable[[Plan], bool],
                settle: Callable[[Outcome], None], *, max_rivals: int,
+               recoverable: Callable[[Exception, Any], bool] = lambda e, args: False,
                clock: Callable[[], float] = time.perf_counter):
     self._field, self._entry, self._compile_fits = field, entry, compile_fits
-    self._settle, self._clock = settle, clock
+    self._settle, self._clock, self._recoverable = settle, clock, recoverable
+    self._lock = threading.Lock()  # steps from several threads: one schedule
     self._incumbent = incumbent
     self._runs = {program(incumbent): entry(incumbent)}
     self._rivals_left = max_rivals
@@ -88,17 +93,30 @@ class Tournament:
     self._untimed = SETTLING_STEPS
 
   def __call__(self, args, kwargs):
-    plan, timed = self._next()
-    run = self._runs[program(plan)]
-    if not timed:
-      return run(args, kwargs)
+    with self._lock:
+      plan, timed = self._next()
+      run = self._runs[program(plan)]
     t0 = self._clock()
-    out = jax.block_until_ready(run(args, kwargs))
-    seconds = self._clock() - t0
-    self._round[program(plan)].append(seconds)
-    self._seconds[program(plan)].append(seconds)
-    if not self._schedule:
-      self._judge()
+    try:
+      out = run(args, kwargs)
+      if timed:
+        out = jax.block_until_ready(out)
+    except jax.errors.JaxRuntimeError as e:
+      if plan == self._incumbent or not self._recoverable(e, args):
+        raise
+      logging.warning("hbm_guard: %s failed at run time (%s); it is let go",
+                      plan.describe(), str(e).splitlines()[0][:200])
+      with self._lock:
+        self._let_rival_go()
+        run = self._runs[program(self._incumbent)]
+      return run(args, kwargs)
+    if timed:
+      seconds = self._clock() - t0
+      with self._lock:
+        self._round[program(plan)].append(seconds)
+        self._seconds[program(plan)].append(seconds)
+        if not self._schedule and self._rival is not None:
+          self._judge()
     return out
 
   # -- the schedule ------------------------------------------------------------------------
@@ -148,6 +166,14 @@ class Tournament:
     else:
       self._rival = None
     return fits
+
+  def _let_rival_go(self) -> None:
+    if self._rival is not None:
+      self._runs.pop(program(self._rival), None)
+      self._seconds.pop(program(self._rival), None)
+    self._schedule.clear()
+    self._round.clear()
+    self._rival, self._compiling = None, None
 
   def _judge(self) -> None:
     """After a round: the faster by more than MARGIN is the incumbent; the other let go."""
