@@ -170,8 +170,8 @@ def test_the_first_steps_settle_on_a_timed_plan_reported_and_remembered(tmp_path
   with open(step.report_path, encoding="utf-8") as f:
     data = json.load(f)
   timed = data["timed"]["plans"]
-  assert len(timed) >= 2 and timed[0]["plan"] == step.plan.describe()
-  assert timed == sorted(timed, key=lambda t: t["median_seconds"])
+  assert len(timed) >= 2 and timed[0]["plan"] == step.plan.describe()  # the winner first
+  assert timed[1:] == sorted(timed[1:], key=lambda t: t["median_seconds"])
   # a restart starts from (and compiles only) the plan the steps settled on
   cache = plan_cache_lib.resolve(str(tmp_path / "cache"))
   again = hbm_guard.guarded_jit(_step, **opts)
