@@ -313,7 +313,7 @@ def markdown(rows: list[dict]) -> str:
   guard = [r for r in rows if r["strategy"] == "hbm_guard"]
   extra = [r["compiles"] - 1 for r in guard]
   costs = [r["cost_vs_best"] for r in guard if r["cost_vs_best"] is not None]
-  out += ["## Summary (hbm_guard)", "",
+  out += ["### Summary (hbm_guard)", "",
           f"- compiles after the first failure: mean {sum(extra) / max(1, len(extra)):.2f}, "
           f"most {max(extra, default=0)}",
           f"- chosen plan's cost against the best fitting plan: most "
