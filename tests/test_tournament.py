@@ -3,11 +3,14 @@ steps against it (tournament.py, search/rivals.py), driven here with fake plans 
 clock; and once with the real compiler on this host."""
 
 import dataclasses
+import html
+import importlib.resources
 import json
 import time
 
 import jax
 import jax.numpy as jnp
+import jsonschema
 import optax
 import pytest
 from flax import linen as nn
@@ -16,6 +19,7 @@ from flax.training import train_state
 import hbm_guard
 from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import report as report_lib
+from hbm_guard._src import report_html
 from hbm_guard._src import tournament as tournament_lib
 from hbm_guard._src.search import rivals as rivals_lib
 from hbm_guard._src.search import state as state_lib
@@ -170,6 +174,10 @@ def test_the_first_steps_settle_on_a_timed_plan_reported_and_remembered(tmp_path
   with open(step.report_path, encoding="utf-8") as f:
     data = json.load(f)
   timed = data["timed"]["plans"]
+  jsonschema.validate(data, json.loads(importlib.resources.files("hbm_guard.configs")
+                                       .joinpath("report.schema.json").read_text()))
+  page = report_html.render(data)
+  assert "Timed on the first steps" in page and html.escape(step.plan.describe()) in page
   assert len(timed) >= 2 and timed[0]["plan"] == step.plan.describe()  # the winner first
   assert timed[1:] == sorted(timed[1:], key=lambda t: t["median_seconds"])
   # a restart starts from (and compiles only) the plan the steps settled on

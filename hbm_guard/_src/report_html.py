@@ -169,6 +169,15 @@ def render(data: dict[str, Any]) -> str:
     steps = (f"<li><b>Allowing class '{_e(above['class'])}' would fit</b>: {_e(above['plan'])}, "
              f"predicted {_e(_fmt(above['predicted_bytes']))} of {_e(_fmt(cap))} "
              f"(max_class='{_e(above['class'])}').</li>") + steps
+  timed = data.get("timed") or {}
+  speeds = "".join(f"<tr><td>{_e(t.get('plan'))}</td><td class='num'>"
+                   f"{_e(round(1000 * float(t.get('median_seconds') or 0), 2))} ms</td>"
+                   f"<td class='num'>{_e(t.get('steps'))}</td></tr>"
+                   for t in timed.get("plans") or [])
+  if speeds:
+    speeds = (f"<h2>Timed on the first steps</h2><p class='muted'>{_e(timed.get('why'))}</p>"
+              "<table><tr><th>plan (the one in force first)</th><th>median step</th><th>steps"
+              f"</th></tr>{speeds}</table>")
   title = f"hbm_guard: {data.get('function')}"
   return f"""<!doctype html><html><head><meta charset="utf-8"><title>{_e(title)}</title>
 <style>{_CSS}</style></head><body>
@@ -182,6 +191,7 @@ def render(data: dict[str, Any]) -> str:
 <h2>Diagnosis</h2>{diag or '<p class="muted">no out-of-memory recorded</p>'}
 <h2>Largest allocations</h2>{('<table><tr><th>size</th><th>shape</th><th>padding</th><th>what</th><th>source</th></tr>' + ''.join(allocs) + '</table>') if allocs else '<p class="muted">the compiler listed none</p>'}
 <h2>Plan in force</h2>{_pin(data) if status == 'fits' else '<p class="muted">none: the step does not fit</p>'}
+{speeds}
 <h2>What to change next</h2>{('<ol>' + steps + '</ol>') if steps else '<p class="muted">nothing: it fits</p>'}
 </body></html>
 """
