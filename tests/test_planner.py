@@ -717,3 +717,24 @@ def test_a_refusals_hint_costs_a_few_probes_not_a_search():
   choice = hint.wider(planner, [donate, dots], [1, 2, 4, 8, 16, 32], offload_bytes=0)
   assert choice.plan == dataclasses.replace(donate, microbatches=8)  # 20 + 16.6 + 4 <= 40.85
   assert len(probed) <= 2
+
+
+def test_a_hint_whose_first_split_does_not_shrink_probes_the_floor():
+  # The MSE step of test_report_page: its inputs do not split, so its figure at 2 equals the
+  # unsplit one and F + P / k through them predicts no count. The family's floor (its most
+  # microbatches) is probed next, then the count the floor and the failure predict.
+  figures = {1: 2359316, 2: 2359492, 4: 2097284, 8: 1966212, 16: 1900676, 32: 1867908}
+  probed = []
+  def probe(plan):
+    probed.append(plan.microbatches)
+    return figures[plan.microbatches]
+  def run(capacity):
+    planner = driver_lib.Driver(probe, lambda p: 1e9, capacity=capacity, exact=True)
+    planner.update(state_lib.with_state_bytes, 256 << 10)
+    donate = hbm_guard.Plan(donate_argnums=(0,))
+    planner.need(donate)
+    probed.clear()
+    return hint.wider(planner, [donate], [1, 2, 4, 8, 16, 32], offload_bytes=0)
+  choice = run(capacity=2293836)
+  assert choice.plan.microbatches == 4 and probed == [2, 32, 4]
+  assert run(capacity=1800000) is None and probed == [2, 32]  # the floor fails: none fits

@@ -3,8 +3,9 @@
 When nothing within `max_class` fits, the search has already measured each family's
 unsplit plan. Need is modelled as `F + P / k` (F: the state the step replaces, which a
 split does not divide), the fewest count predicted to fit is probed, and where that figure
-says no, the two figures predict the count probed next. At most `PROBES_PER_FAMILY` probes
-a family, families cheapest first: a refusal costs no more than the search that fits."""
+says no, the two figures predict the count probed next, or (where they predict none) the
+family's floor, its most microbatches, is probed. At most `PROBES_PER_FAMILY` probes a
+family, families cheapest first: a refusal costs no more than the search that fits."""
 
 from __future__ import annotations
 
@@ -17,38 +18,53 @@ from hbm_guard._src.search import state as state_lib
 from hbm_guard._src.search.driver import Driver
 
 Plan = plan_lib.Plan
-PROBES_PER_FAMILY = 2
+PROBES_PER_FAMILY = 3
 
 
 def _predicted_count(driver: Driver, counts: Sequence[int], fixed: float, per: float,
-                     above: int) -> int | None:
-  """The fewest count above `above` whose modelled need fits."""
+                     above: int, below: int) -> int | None:
+  """The fewest count strictly between `above` and `below` whose modelled need fits."""
   for k in counts:
-    if k > above and driver.state.fits(int(fixed + per / k)):
+    if above < k < below and driver.state.fits(int(fixed + per / k)):
       return k
   return None
 
 
 def _in_family(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
+  """The fewest count of `family` a probe says fits, within `PROBES_PER_FAMILY` probes.
+
+  Each probe is the count the model predicts; where the model predicts none (the figure
+  did not shrink between two counts: inputs the split does not divide), the most
+  microbatches are probed, the family's floor: if that fails, nothing in it fits; if it
+  fits, the model through the floor and the last failure picks a count between them."""
   unsplit = driver.state.figure(model.at(family, 1))
-  if unsplit is None:
+  if unsplit is None or not counts:
     return None
   fixed = float(driver.state.state_bytes)
-  per, last = max(0.0, unsplit - fixed), 1
+  per = max(0.0, unsplit - fixed)
+  failed_k, failed_need = 1, float(unsplit)
+  fitting: int | None = None
   for _ in range(PROBES_PER_FAMILY):
-    k = _predicted_count(driver, counts, fixed, per, last)
+    below = fitting if fitting is not None else counts[-1] + 1
+    k = _predicted_count(driver, counts, fixed, per, failed_k, below)
     if k is None:
-      return None
+      if fitting is not None or counts[-1] <= failed_k:
+        break
+      k = counts[-1]  # the floor
     need = driver.need(model.at(family, k))
-    if driver.state.fits(need):
-      return k
-    if need is None:  # the trace does not split there: the next count may
+    if need is None:  # the trace does not split there: another count may
       driver.update(state_lib.unmeasured, k)
-      last = k
+      counts = [c for c in counts if c != k]
+      if not counts:
+        break
       continue
-    fixed, per = model.two_point(1, unsplit, k, need)
-    last = k
-  return None
+    if driver.state.fits(need):
+      fitting = k
+      fixed, per = model.two_point(failed_k, failed_need, k, need)
+    else:
+      failed_k, failed_need = k, float(need)
+      fixed, per = model.two_point(1, unsplit, k, need)
+  return fitting
 
 
 def wider(driver: Driver, families: Sequence[Plan], counts: Sequence[int],
