@@ -154,7 +154,8 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
          "beside_failed": sum(1 for p in beside
                               if plan is None or p.plan != planner_lib.program(plan)),
          "fit_seconds": seconds,
-         "plan": plan.describe() if plan else None, "error": error}
+         "plan": plan.describe() if plan else None, "error": error,
+         "estimate": next((a.estimate for a in reversed(g.attempts) if a.estimate), None)}
   if plan is not None:  # one compile of the plan found, in the same process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                                   plan_cache=False, plan=plan, auto_fallback=False,
@@ -212,6 +213,11 @@ def main():
   if "ratio" in r:
     print(f"one compile of that plan: {r['one_compile_seconds']:.0f} s; fit / compile = "
           f"{r['ratio']:.2f}; peak {hbm_guard.format_bytes(r['peak'])} per chip", flush=True)
+  if r.get("estimate") is not None:
+    e = r["estimate"]
+    print(f"estimated step time on the target: {1000 * e.seconds:.1f} ms ({e.by_cycles} ops by "
+          f"libtpu's cycles, {e.by_roofline} by the roofline; read in {e.read_seconds:.1f} s "
+          "of the fit)", flush=True)
   if not a.skip_halving:
     h = halving(s, a.target)
     print(f"batch halving: {h['compiles']} compiles, {h['seconds']:.0f} s, ends at batch "

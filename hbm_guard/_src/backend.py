@@ -188,9 +188,10 @@ class _Base:
               f"sharded further ({first[:200]})")
     return None
 
-  def _trial(self, plan, compile_fn, facts_fn, capacity, placed=()) -> compile_lib.Trial:
+  def _trial(self, plan, compile_fn, facts_fn, capacity, placed=(), speed=None
+             ) -> compile_lib.Trial:
     trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,
-                                    name=self.step.name)
+                                    name=self.step.name, speed=speed)
     self.step.learn(trial.facts)
     layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
     return dataclasses.replace(trial, layout=layout)
@@ -319,7 +320,8 @@ class TargetBackend(_Base):
       finally:
         if meanwhile is not None:
           meanwhile.stop()
-    return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs)
+    return self._trial(plan, compile_fn, lambda: facts.get(key), capacity, targs,
+                       None if probe else self.target.speed)
 
   def _compile_staged(self, plan, key, args, kwargs, low: _Lowering, options, capacity,
                       meanwhile: Meanwhile | None = None, *, climb: bool = False,
@@ -342,7 +344,8 @@ class TargetBackend(_Base):
       finally:
         if meanwhile is not None:
           meanwhile.stop()
-    trial = self._trial(plan, compile_fn, lambda: low.facts.get(key), capacity, low.targs)
+    trial = self._trial(plan, compile_fn, lambda: low.facts.get(key), capacity, low.targs,
+                        None if probe else self.target.speed)
     return dataclasses.replace(trial, seconds=trial.seconds + low.seconds)
 
   def program_text(self, plan, key, args, kwargs) -> str | None:

@@ -18,6 +18,7 @@ from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
 from hbm_guard._src import report as report_lib
+from hbm_guard._src import step_time
 
 _MAX_REFITS = 4  # microbatch counts re-chosen for an uneven batch before giving up
 
@@ -42,6 +43,7 @@ class Attempt:
   optimizer_streaming: str | None = None  # offloaded state: per parameter, or whole
   auto: str | None = None  # what the drop-in analysis did with the step's gradient
   layout: tuple[str, ...] = ()  # where the batch and the largest state leaves were put
+  estimate: step_time.Estimate | None = None  # a target's step time, from its program
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -55,6 +57,7 @@ class Attempt:
         "memory": self.memory,
         "skipped": [s.to_dict() for s in self.skipped],
         "planning": self.planning.to_dict() if self.planning is not None else None,
+        "estimated_step": self.estimate.to_dict() if self.estimate is not None else None,
     }
 
 
@@ -100,7 +103,8 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
     if trial.outcome is compile_lib.Outcome.FITS:
       attempt = Attempt(number, plan, compile_lib.Outcome.FITS, trial.seconds, memory=trial.memory,
                         signature=signature, loss_form=loss_form,
-                        optimizer_streaming=streaming, auto=auto, layout=trial.layout)
+                        optimizer_streaming=streaming, auto=auto, layout=trial.layout,
+                        estimate=trial.estimate)
       attempts.append(attempt)
       on_attempt(attempt)
       return Result(Status.FITS, plan, tuple(attempts), trial)

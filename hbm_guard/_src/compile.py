@@ -20,6 +20,7 @@ from absl import logging
 from hbm_guard._src import errors
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
+from hbm_guard._src import step_time
 
 HEARTBEAT_SECONDS = 15.0
 
@@ -69,6 +70,7 @@ class Trial:
   error: BaseException | None = None  # the compiler's own error, to chain or re-raise
   uneven: errors.UnevenMicrobatchError | None = None
   layout: tuple[str, ...] = ()  # where the compile put the batch and the largest state
+  estimate: step_time.Estimate | None = None  # a target's step time, from the program
 
 
 def memory_of(compiled) -> dict[str, int] | None:
@@ -121,12 +123,14 @@ def heartbeat(name: str, plan: plan_lib.Plan) -> Iterator[None]:
 
 def try_compile(plan: plan_lib.Plan, compile_fn: Callable[[], Any],
                 facts_fn: Callable[[], TraceFacts | None], *,
-                capacity: int | Callable[[], int | None] | None, name: str) -> Trial:
+                capacity: int | Callable[[], int | None] | None, name: str,
+                speed: step_time.DeviceSpeed | None = None) -> Trial:
   """Runs `compile_fn` (lower + compile under `plan`) and classifies what happened.
 
   An out-of-memory at compile time, or a peak above `capacity` (a callable: asked once
   the compile is done), is an OOM trial; an error that is not an out-of-memory propagates
-  unchanged.
+  unchanged. Given the chip's `speed` (a target's), a compile that fits carries its step
+  time estimated from the program (`step_time`).
   """
   t0 = time.perf_counter()
   try:
@@ -148,4 +152,5 @@ def try_compile(plan: plan_lib.Plan, compile_fn: Callable[[], Any],
   if memory is not None and capacity is not None and memory["peak"] > capacity:
     rec = budget_record(memory, capacity, f"jit_{name}")
     return Trial(plan, Outcome.OOM, seconds, facts_fn(), rec, memory)
-  return Trial(plan, Outcome.FITS, seconds, facts_fn(), memory=memory)
+  return Trial(plan, Outcome.FITS, seconds, facts_fn(), memory=memory,
+               estimate=step_time.of_compiled(compiled, speed))

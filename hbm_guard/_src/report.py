@@ -242,6 +242,19 @@ def forms(attempt: dict[str, Any]) -> list[str]:
   return out
 
 
+ESTIMATE_SOURCE = ("an estimate from the compiled program: libtpu's per-op cycles at the "
+                   "chip's clock, else a roofline at its peak FLOP/s and HBM bandwidth; "
+                   "loops times their trip counts")
+
+
+def estimated_ms(attempt: dict[str, Any]) -> float | None:
+  """A fitting attempt's estimated step time in ms, if the report holds a sound one."""
+  seconds = (attempt.get("estimated_step") or {}).get("seconds")
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    return None
+  return 1000.0 * seconds if 0 <= seconds < float("inf") else None
+
+
 def made_as(probe: dict[str, Any]) -> str:
   """How a planning figure was made: a probe, or a compile at the capacity in its place."""
   return "compiled at the capacity" if probe.get("compiled") else "probe"
@@ -266,6 +279,9 @@ def render(data: dict[str, Any]) -> str:
                  + (f" of {fmt(rec.get('capacity_bytes'))}" if rec.get("capacity_bytes") else "")
                  + f" ({a['seconds']}s)")
     lines += [f"      {line}" for line in forms(a)]
+    estimated = estimated_ms(a)
+    if estimated is not None:
+      lines.append(f"      estimated step time: {estimated:.3f} ms ({ESTIMATE_SOURCE})")
     for s in a.get("skipped", ()):
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
     planning = a.get("planning") or {}

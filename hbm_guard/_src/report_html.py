@@ -142,6 +142,9 @@ def render(data: dict[str, Any]) -> str:
               for p in planning.get("probes", ())]
     if planning.get("why"):
       notes.append(f"next: {planning.get('chosen') or 'none'} ({planning['why']})")
+    estimated = report_lib.estimated_ms(a)
+    if estimated is not None:
+      notes.append(f"estimated step time: {estimated:.3f} ms ({report_lib.ESTIMATE_SOURCE})")
     rows.append(f"<tr><td>#{_e(a.get('number'))}</td><td>{_e(a.get('described'))}<div class='muted'>"
                 f"{_e(a.get('signature'))}</div></td><td>{_e(a.get('outcome'))}</td>"
                 f"<td class='num'>{_e(_fmt(need))}</td><td class='num'>{_e(a.get('seconds'))} s</td>"

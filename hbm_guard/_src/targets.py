@@ -19,6 +19,7 @@ import jax
 
 from hbm_guard._src import errors
 from hbm_guard._src import record as record_lib
+from hbm_guard._src import step_time
 from hbm_guard._src import thread_context
 
 
@@ -70,6 +71,11 @@ class Target:
   @property
   def hbm_bytes(self) -> int:
     return hbm_bytes(self.generation)
+
+  @property
+  def speed(self) -> step_time.DeviceSpeed | None:
+    """The chip's peaks and clock, for estimating a step's time from its program."""
+    return step_time.speed_of(device_table().get(self.generation.lower()))
 
   @classmethod
   def parse(cls, name: str) -> "Target":
