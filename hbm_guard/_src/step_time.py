@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from absl import logging
 
@@ -37,7 +38,7 @@ _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
-_CONSTANT = re.compile(r"constant\((-?\d+)\)")
+_CONSTANT = re.compile(r"(-?\d+)\)")  # a constant's operand text, after "constant("
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                    "after-all", "partition-id", "replica-id", "iota", "opt-barrier"})
 MAX_TRIP = 1 << 20  # a trip count read from the text is believed up to this
@@ -143,18 +144,33 @@ class _Pricer:
     self.flops_memo: dict[str, float] = {}
     self.depth = 0
 
-  def computation(self, name: str) -> tuple[float, int, int]:
-    if name in self.memo or self.depth >= MAX_NESTING:
-      return self.memo.get(name, (0.0, 0, 0))
-    self.memo[name] = (0.0, 0, 0)  # a cycle in the text costs nothing, not a recursion
-    shapes = {i.name: i.shape for i in self.computations.get(name, ())}
-    total = (0.0, 0, 0)
+  def _over(self, memo: dict, name: str, price: Callable, add: Callable, zero):
+    """`price` summed over computation `name`'s instructions, once per name: a cycle in
+    the text, or nesting past MAX_NESTING, costs nothing rather than recursing."""
+    if name in memo or self.depth >= MAX_NESTING:
+      return memo.get(name, zero)
+    memo[name] = zero
+    body = self.computations.get(name, ())
+    shapes = {i.name: i.shape for i in body}
+    total = zero
     self.depth += 1
-    for ins in self.computations.get(name, ()):
-      total = _add(total, self.instruction(ins, shapes))
+    for ins in body:
+      total = add(total, price(ins, shapes))
     self.depth -= 1
-    self.memo[name] = total
+    memo[name] = total
     return total
+
+  def computation(self, name: str) -> tuple[float, int, int]:
+    return self._over(self.memo, name, self.instruction, _add, (0.0, 0, 0))
+
+  def fused_flops(self, name: str) -> float:
+    return self._over(self.flops_memo, name, self._op_flops, operator.add, 0.0)
+
+  def _op_flops(self, ins: _Instruction, shapes: dict[str, str]) -> float:
+    called = dict(_CALLED.findall(ins.rest))
+    if ins.opcode == "fusion" and "calls" in called:
+      return self.fused_flops(called["calls"])
+    return _flops(ins, shapes)
 
   def instruction(self, ins: _Instruction, shapes: dict[str, str]) -> tuple[float, int, int]:
     if ins.opcode in _FREE:
@@ -179,26 +195,10 @@ class _Pricer:
     out_bytes, _ = _array_bytes(ins.shape)
     in_bytes = sum(_array_bytes(shapes.get(op, ""))[0]
                    for op in _OPERAND.findall(ins.rest.split(")", 1)[0]))
-    flops = (self.fused_flops(called["calls"]) if ins.opcode == "fusion" and "calls" in called
-             else _flops(ins, shapes))
+    flops = self._op_flops(ins, shapes)
     seconds = max(flops / self.speed.peak_flops,
                   (out_bytes + in_bytes) / self.speed.hbm_bytes_per_second)
     return (seconds, 0, 1)
-
-  def fused_flops(self, name: str) -> float:
-    if name not in self.flops_memo and self.depth < MAX_NESTING:
-      self.flops_memo[name] = 0.0
-      body = self.computations.get(name, ())
-      shapes = {i.name: i.shape for i in body}
-      total = 0.0
-      self.depth += 1
-      for ins in body:
-        called = dict(_CALLED.findall(ins.rest))
-        total += (self.fused_flops(called["calls"]) if ins.opcode == "fusion"
-                  and "calls" in called else _flops(ins, shapes))
-      self.depth -= 1
-      self.flops_memo[name] = total
-    return self.flops_memo.get(name, 0.0)
 
 
 def _add(a: tuple[float, int, int], b: tuple[float, int, int]) -> tuple[float, int, int]:
@@ -240,7 +240,7 @@ def _trip_count(rest: str, condition: Iterable[_Instruction]) -> int:
   condition = list(condition)
   constants = {}
   for ins in condition:
-    m = _CONSTANT.match(ins.opcode + "(" + ins.rest) if ins.opcode == "constant" else None
+    m = _CONSTANT.match(ins.rest) if ins.opcode == "constant" else None
     if m:
       constants[ins.name] = int(m.group(1))
   for ins in condition:
@@ -279,10 +279,3 @@ def of_compiled(compiled: Any, speed: DeviceSpeed | None) -> Estimate | None:
   except Exception as e:  # pylint: disable=broad-except  (a figure, never a failed fit)
     logging.warning("hbm_guard: no step-time estimate: %s: %s", type(e).__name__, e)
     return None
-
-
-def speed_of(entry: dict[str, Any] | None) -> DeviceSpeed | None:
-  return DeviceSpeed.from_entry(entry) if entry else None
-
-
-__all__ = ["DeviceSpeed", "Estimate", "estimate", "of_compiled", "speed_of"]

@@ -75,7 +75,7 @@ class Target:
   @property
   def speed(self) -> step_time.DeviceSpeed | None:
     """The chip's peaks and clock, for estimating a step's time from its program."""
-    return step_time.speed_of(device_table().get(self.generation.lower()))
+    return step_time.DeviceSpeed.from_entry(device_table().get(self.generation.lower()) or {})
 
   @classmethod
   def parse(cls, name: str) -> "Target":
