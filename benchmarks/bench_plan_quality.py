@@ -189,8 +189,11 @@ def every_plan(module, step, batch) -> dict[hbm_guard.Plan, dict]:
 
 # -- the guard -------------------------------------------------------------------------------
 
-def guard(module, step, batch, capacity: int, max_steps: int = 400) -> dict:
-  """The guard from scratch at `capacity`: its fit, and the plan its first steps settle on."""
+def guard(module, step, batch, capacity: int, max_seconds: float = 300.0) -> dict:
+  """The guard from scratch at `capacity`: its fit, and the plan its first steps settle on.
+
+  Bounded by time, not steps: on a GPU a small step takes a millisecond, and hundreds of
+  steps pass while one rival compiles."""
   report_dir = tempfile.mkdtemp()
   g = hbm_guard.guarded_jit(step, state_argnums=0, capacity=capacity, max_class="numerics",
                             plan_cache=False, progress=False, report_dir=report_dir)
@@ -200,7 +203,7 @@ def guard(module, step, batch, capacity: int, max_steps: int = 400) -> dict:
   fit_s, searched, steps = time.perf_counter() - t0, g.plan, 1
   timed = None
   t1 = time.perf_counter()
-  while steps < max_steps:
+  while time.perf_counter() - t1 < max_seconds:
     state, _ = g(state, batch)
     steps += 1
     if steps % 10 == 0 and g.report_path:
@@ -236,7 +239,7 @@ def rows(name: str) -> list[dict]:
                 "searched_ratio": (plans[dataclasses.replace(g["searched"], rungs=())]
                                    ["median_s"] / fits[fastest]["median_s"]),
                 "fit_s": g["fit_s"], "compile_s": plans.get(chosen, {}).get("compile_s"),
-                "settle_steps": g["steps"]})
+                "settle_steps": g["steps"] if g["timed"] else None})
   return out
 
 
@@ -251,7 +254,7 @@ def markdown(results: list[dict]) -> str:
     ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "?"
     lines.append(f"| {r['model']} | {r['capacity']} | {r['fitting']} | {r['searched']} | "
                  f"{r['chosen']} | {r['fastest']} | {ratio} | {r['searched_ratio']:.3f} | "
-                 f"{r['fit_s']:.1f} / {r['compile_s']:.1f} | {r['settle_steps']} |")
+                 f"{r['fit_s']:.1f} / {r['compile_s']:.1f} | {r['settle_steps'] or 'not settled'} |")
   return "\n".join(lines)
 
 
