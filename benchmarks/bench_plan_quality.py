@@ -256,7 +256,8 @@ def markdown(results: list[dict]) -> str:
     ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "?"
     lines.append(f"| {r['model']} | {r['capacity']} | {r['fitting']} | {r['searched']} | "
                  f"{r['chosen']} | {r['fastest']} | {ratio} | {r['searched_ratio']:.3f} | "
-                 f"{r['fit_s']:.1f} / {r['compile_s']:.1f} | {r['settle_steps'] or 'not settled'} |")
+                 f"{r['fit_s']:.1f} / {r['compile_s']:.1f} | "
+                 f"{r['settle_steps'] or 'not settled'} |")
   return "\n".join(lines)
 
 
