@@ -31,21 +31,39 @@ NOTHING = dataclasses.replace(DONATE, remat_policy="nothing_saveable")
 at = lambda p, k: dataclasses.replace(p, microbatches=k)  # noqa: E731
 
 
-def _field(chosen, fitting=(), failing=(), counts=(1, 2, 4, 8, 16)):
-  return rivals_lib.Field(chosen, (DONATE, DOTS, NOTHING), tuple(counts),
+def _field(chosen, fitting=(), failing=(), counts=(1, 2, 4, 8, 16),
+           families=(DONATE, DOTS, NOTHING)):
+  return rivals_lib.Field(chosen, families, tuple(counts),
                           frozenset(fitting) | {chosen}, frozenset(failing))
 
 
-def test_rivals_are_twice_the_microbatches_then_less_remat_at_its_fewest_fitting_count():
+def test_rivals_are_twice_the_microbatches_then_lighter_remat_then_heavier_at_fewer():
   f = _field(at(DOTS, 2), fitting=[at(DONATE, 4), at(DONATE, 8)], failing=[at(DONATE, 2)])
   tried = frozenset({at(DOTS, 2)})
   assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == at(DOTS, 4)
   tried |= {at(DOTS, 4)}
   assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == at(DONATE, 4)  # no remat: fewest that fit
   tried |= {at(DONATE, 4)}
+  # more remat at fewer microbatches (on a GPU that won): the fewest from half the count
+  assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == at(NOTHING, 1)
+  tried |= {at(NOTHING, 1)}
   assert rivals_lib.next_rival(f, at(DOTS, 2), tried) is None
-  # from a plan without remat: only more microbatches; none past the largest count
-  assert rivals_lib.next_rival(f, at(DONATE, 16), frozenset()) is None
+  # from the heaviest family at the largest count: each lighter one at its fewest that fit
+  assert rivals_lib.next_rival(f, at(NOTHING, 16), frozenset()) == at(DONATE, 4)
+  assert rivals_lib.next_rival(f, at(NOTHING, 16), frozenset({at(DONATE, 4)})) == at(DOTS, 2)
+  assert rivals_lib.next_rival(f, at(NOTHING, 16), frozenset({at(DONATE, 4), at(DOTS, 2)})) is None
+
+
+def test_a_lighter_rival_the_search_never_measured_is_the_fewest_count_not_ruled_out():
+  # the search chose remat at one microbatch; without remat 1 and 2 failed, 4 was never compiled
+  f = _field(DOTS, failing=[DONATE, at(DONATE, 2)], counts=(1, 2, 4, 8))
+  tried = frozenset({DOTS, at(DOTS, 2)})
+  assert rivals_lib.next_rival(f, DOTS, tried) == at(DONATE, 4)
+  # its compile says it does not fit: the next rival is the next count, not it again
+  f = rivals_lib.learn(f, at(DONATE, 4), fits=False)
+  assert rivals_lib.next_rival(f, DOTS, tried) == at(DONATE, 8)
+  assert rivals_lib.next_rival(f, DOTS, tried | {at(DONATE, 8)}) == NOTHING  # heavier, as many
+  assert at(DONATE, 8) in rivals_lib.learn(f, at(DONATE, 8), fits=True).fitting
 
 
 def test_no_field_where_the_figures_are_estimates_or_the_choice_was_not_searched():
@@ -69,6 +87,11 @@ class _Clock:
     if self.running is not None:
       self.now += self.speed[self.running]
     return self.now
+
+
+def _one_family(chosen, **kw):
+  """A field of one family (no remat): the tournament's rivals are its counts alone."""
+  return _field(chosen, families=(DONATE,), **kw)
 
 
 def _tournament(speed, field, chosen, fits=lambda p: True, max_rivals=4):
@@ -95,7 +118,7 @@ def _run(t, settled, seconds=30.0):
 
 def test_the_faster_rival_wins_and_the_chain_goes_on_from_it():
   speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 0.8, at(DONATE, 8): 0.9}
-  t, ran, settled = _tournament(speed, _field(at(DONATE, 2)), at(DONATE, 2))
+  t, ran, settled = _tournament(speed, _one_family(at(DONATE, 2)), at(DONATE, 2))
   x = _run(t, settled)
   (outcome,) = settled
   assert outcome.winner == at(DONATE, 4)  # 8 was timed against it and lost
@@ -107,20 +130,32 @@ def test_the_faster_rival_wins_and_the_chain_goes_on_from_it():
 
 def test_a_rival_within_the_noise_does_not_displace_the_incumbent():
   speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 0.99}
-  t, _, settled = _tournament(speed, _field(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2))
+  t, _, settled = _tournament(speed, _one_family(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2))
   _run(t, settled)
   assert settled[0].winner == at(DONATE, 2)
 
 
 def test_a_rival_that_does_not_fit_is_never_run_and_the_count_of_rivals_is_bounded():
   speed = {at(DONATE, k): 1.0 / k for k in (1, 2, 4, 8, 16)}
-  t, ran, settled = _tournament(speed, _field(DONATE), DONATE,
+  t, ran, settled = _tournament(speed, _one_family(DONATE), DONATE,
                                 fits=lambda p: p != at(DONATE, 2))
   _run(t, settled)
   assert at(DONATE, 2) not in ran and settled[0].winner == DONATE  # 2 does not fit
-  t, ran, settled = _tournament(speed, _field(DONATE), DONATE, max_rivals=2)
+  t, ran, settled = _tournament(speed, _one_family(DONATE), DONATE, max_rivals=2)
   _run(t, settled)
   assert settled[0].winner == at(DONATE, 4) and at(DONATE, 8) not in ran
+
+
+def test_more_remat_at_fewer_microbatches_can_win_and_a_rival_that_does_not_fit_is_learnt():
+  # a GPU's shape: the search chose two microbatches without remat; one microbatch with full
+  # remat is faster. Remat of dots at one microbatch does not fit: the next rival is it at two
+  speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 1.1, at(DOTS, 2): 1.2, NOTHING: 0.8}
+  t, ran, settled = _tournament(speed, _field(at(DONATE, 2), failing=[DONATE], counts=(1, 2, 4)),
+                                at(DONATE, 2), fits=lambda p: p != DOTS)
+  _run(t, settled)
+  (outcome,) = settled
+  assert outcome.winner == NOTHING and DOTS not in ran
+  assert {tm.plan for tm in outcome.timings} == {NOTHING, at(DONATE, 2), at(DONATE, 4), at(DOTS, 2)}
 
 
 # -- with the compiler ----------------------------------------------------------------------
@@ -200,13 +235,13 @@ def test_a_rival_that_fails_at_run_time_is_let_go_and_the_step_runs_on_the_incum
       ran.append(plan)
       return args[0] + 1
     return run
-  t = tournament_lib.Tournament(_field(DONATE), DONATE, entry, lambda p: True, settled.append,
+  t = tournament_lib.Tournament(_one_family(DONATE), DONATE, entry, lambda p: True, settled.append,
                                 max_rivals=4, clock=clock, recoverable=lambda e, a: True)
   x = _run(t, settled)
   assert x == len(ran)  # the failed step ran again on the incumbent: none lost
   assert settled[0].winner == DONATE and at(DONATE, 2) not in [tm.plan for tm in
                                                                settled[0].timings]
-  strict = tournament_lib.Tournament(_field(DONATE), DONATE, entry, lambda p: True,
+  strict = tournament_lib.Tournament(_one_family(DONATE), DONATE, entry, lambda p: True,
                                      settled.append, max_rivals=4, clock=clock)
   with pytest.raises(jax.errors.JaxRuntimeError):  # not known to be safe: raised
     _run(strict, [])

@@ -5,8 +5,9 @@ fits in cache), and underfill a TPU's MXU. Where the step runs here, the plan th
 chose is the incumbent, and rivals near it (`search.rivals`) are compiled beside its steps
 (in a thread, after its first few) and then timed against it in alternating steps, each a
 real step of the user's: plans within `max_class` compute the same training up to the
-rounding that class allows, so none is wasted. A rival that is faster by more than the noise becomes the
-incumbent. After at most `max_rivals` rivals the incumbent is settled on: the guard runs
+rounding that class allows, so none is wasted. A rival faster by more than the noise
+becomes the incumbent; one whose compile does not fit is learnt, so the next rival is not
+its like. After at most `max_rivals` rivals the incumbent is settled on: the guard runs
 it directly from then on (nothing on the hot path), reports every plan's median step time
 and remembers the winner in the plan cache, so a restart compiles only it. At most two
 executables are held at a time: the incumbent's and one rival's.
@@ -161,6 +162,7 @@ class Tournament:
       logging.warning("hbm_guard: could not compile %s to time it: %r",
                       self._rival.describe(), e)
       fits = False
+    self._field = rivals_lib.learn(self._field, self._rival, fits)
     if fits:
       self._runs[program(self._rival)] = self._entry(self._rival)
     else:

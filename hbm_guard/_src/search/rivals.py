@@ -4,13 +4,15 @@ On the device that runs the step, a plan's speed is measured, not priced (`tourn
 The search leaves a `Field`: its families, the microbatch counts, and the plans it knows
 fit or fail. From an incumbent, the next rival is a neighbour that may run faster: about
 twice the microbatches in its family (on a CPU each then fits in cache; on an accelerator
-the measurement says), or less rematerialisation at its family's fewest fitting count.
+the measurement says), less rematerialisation at the fewest count that may fit, or more
+rematerialisation at fewer microbatches (on a GPU that won).
 Rivals differ from the incumbent only in remat policy and microbatch count: the same
 donation and layout, so the state moves between them as it is."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Iterator, Sequence
 
 from hbm_guard._src import plan as plan_lib
@@ -47,18 +49,50 @@ def _same_but_remat(a: Plan, b: Plan) -> bool:
   return dataclasses.replace(a, remat_policy=None) == dataclasses.replace(b, remat_policy=None)
 
 
+def _may_fit(f: Field, plan: Plan) -> bool:
+  """Whether nothing known rules `plan` out: a compile said it fits, or none of its family
+  failed at as many microbatches or more (split; unsplit is another program)."""
+  if plan in f.fitting:
+    return True
+  k, family = plan.microbatches, model.family_of(plan)
+  return not any(model.family_of(p) == family and (p.microbatches == k or p.microbatches > k > 1)
+                 for p in f.failing)
+
+
+def _fewest(f: Field, family: Plan, counts: Sequence[int]) -> Iterator[Plan]:
+  """`family` at the fewest of `counts` that may fit, if any."""
+  yield from itertools.islice(
+      (model.at(family, k) for k in counts if _may_fit(f, model.at(family, k))), 1)
+
+
 def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
+  """Near `plan`, most promising first: about twice its microbatches; a lighter remat
+  family (lightest first) at the fewest count that may fit, from `plan`'s up or where a
+  compile said it fits (the search may never have measured it: the rival's compile says);
+  a heavier one (nearest first) at the fewest that may fit from half `plan`'s count to it
+  (on a GPU fewer, larger microbatches with more recompute ran faster)."""
   counts = [k for k in f.counts if k not in f.unmeasured]
-  more = [k for k in counts if k >= 2 * plan.microbatches]
+  k = plan.microbatches
+  more = [n for n in counts if n >= 2 * k]
   if more:
     yield model.at(plan, more[0])
   family = model.family_of(plan)
-  if family in f.families:
-    for lighter in f.families[:f.families.index(family)]:
-      if _same_but_remat(lighter, family):
-        fits = [k for k in counts if model.at(lighter, k) in f.fitting]
-        if fits:
-          yield model.at(lighter, fits[0])
+  if family not in f.families:
+    return
+  kin = [g for g in f.families if _same_but_remat(g, family)]
+  known = lambda g, n: model.at(g, n) in f.fitting  # noqa: E731
+  for lighter in kin[:kin.index(family)]:
+    yield from _fewest(f, lighter, [n for n in counts if n >= k or known(lighter, n)])
+  for heavier in kin[kin.index(family) + 1:]:
+    yield from _fewest(f, heavier, [n for n in counts
+                                    if k // 2 <= n <= k or (n <= k and known(heavier, n))])
+
+
+def learn(f: Field, plan: Plan, fits: bool) -> Field:
+  """`f` once a compile of `plan` said whether it fits."""
+  if fits:
+    return dataclasses.replace(f, fitting=f.fitting | {program(plan)})
+  return dataclasses.replace(f, failing=f.failing | {program(plan)})
 
 
 def next_rival(f: Field, incumbent: Plan, tried: frozenset[Plan]) -> Plan | None:
