@@ -876,3 +876,21 @@ def test_per_example_aux_comes_back_in_the_batch_order_on_any_axis():
   assert "1 batch sum" in fact.auto
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes, size, axes", [
+    ([(6, 32, 8), (32,)], 32, [1, 0]),  # time-major inputs beside labels: B, on axis 1
+    ([(32, 8), (160, 8)], 32, [0, 0]),  # images and five captions each, examples major
+    ([(160, 8), (32, 8)], 32, [0, 0]),  # the same, captions first
+    ([(32, 16), (32, 16), (32,)], 32, [0, 0, 0]),  # tokens, mask, labels: the first axis
+    ([(32, 32, 8), (32,)], 32, [0, 0]),  # T == B: the first axis (a scan over it refuses)
+])
+def test_the_batch_is_found_on_the_axis_that_holds_it(shapes, size, axes):
+  from hbm_guard._src import auto_grad  # pylint: disable=import-outside-toplevel
+  args = tuple(jnp.zeros(s) for s in shapes)
+  ctx = auto_grad.Context.from_args(args, {}, (), ())
+  assert ctx.batch_size == size
+  assert [ctx.batch_axis_of(x) for x in args] == axes
+  before = ctx.leading_only()  # as it was: first axes alone, the first size of a tie
+  assert [before.batch_axis_of(x) for x in args] == [
+      0 if x.shape[0] == before.batch_size else None for x in args]

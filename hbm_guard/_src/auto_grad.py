@@ -44,6 +44,9 @@ class Context:
   # arguments whose arrays do not all lead with the batch's size
   groups: tuple = ()
   apart_ids: frozenset = frozenset()
+  # Whether a leaf may hold the batch on an axis other than its first (a time-major [T, B, D]
+  # sequence): where it is the only axis of the batch's length.
+  across_axes: bool = True
 
   def constraint(self, tags: dict) -> Callable[[Any, Any], Any] | None:
     """Keeps per-example values sharded on their batch axis (data parallel), so the
@@ -69,18 +72,27 @@ class Context:
              for x in jax.tree.leaves(a)] + jax.tree.leaves(kwargs)
     batch = [x for x in batch if getattr(x, "ndim", 0) >= 1 and not is_key(x)]
     states = [x for i in state if i < len(args) for x in jax.tree.leaves(args[i])]
-    candidates = tuple((int(x.shape[0]), tuple(x.shape), jnp.dtype(x.dtype)) for x in batch)
+    candidates = tuple((int(x.shape[0]), tuple(map(int, x.shape)), jnp.dtype(x.dtype))
+                       for x in batch)
     groups = tuple(_group(a) for i, a in enumerate(args) if i not in state and i not in static)
     groups += tuple(_group(v) for v in kwargs.values())
     ctx = cls(None, frozenset(map(id, states)), step_name, mesh, candidates,
               groups=tuple(g for g in groups if g[1]))
-    return ctx.sized(_commonest(candidates))
+    return ctx.sized(_vote(candidates, ctx.across_axes))
+
+  def leading_only(self) -> "Context":
+    """This context as it was before batches on other axes: each leaf's batch is its first
+    axis, the size voted among first axes alone. Where a split across axes is refused,
+    this one is tried: nothing that split before stops splitting."""
+    ctx = dataclasses.replace(self, across_axes=False)
+    return ctx.sized(_vote(self.candidates, False))
 
   def sized(self, size: int | None) -> "Context":
     """This context with the batch's size `size`: an argument some of whose arrays do not
-    lead with it (a target network beside the batch, images with five captions each) is
-    not the batch, whatever its leaves' sizes."""
-    apart = frozenset(i for ids, sizes in self.groups if any(n != size for n in sizes)
+    hold it (a target network beside the batch, images with five captions each) is not
+    the batch, whatever its leaves' sizes."""
+    apart = frozenset(i for ids, shapes in self.groups
+                      if any(_axis_of(s, size, self.across_axes) is None for s in shapes)
                       for i in ids)
     return dataclasses.replace(self, batch_size=size, apart_ids=apart)
 
@@ -90,30 +102,60 @@ class Context:
     optimizer moments, which outnumber the batch's leaves."""
     shaped = {(tuple(x.shape), jnp.dtype(x.dtype)) for x in differentiated
               if hasattr(x, "shape") and hasattr(x, "dtype")}
-    size = _commonest(tuple(c for c in self.candidates if c[1:] not in shaped))
+    size = _vote(tuple(c for c in self.candidates if c[1:] not in shaped), self.across_axes)
     if size is None or size == self.batch_size:
       return self
     return self.sized(size)
 
+  def batch_axis_of(self, x) -> int | None:
+    """The axis of a batch leaf that holds the batch, else None. A batch leaf holds the
+    batch's size and is not state (one of the step's own batch arguments, or a value
+    computed from them, such as token weights), nor a leaf of an argument that is not all
+    batch (a DQN's target network, whose biases may be as long as the batch)."""
+    if (self.batch_size is None or getattr(x, "ndim", 0) < 1 or not hasattr(x, "dtype")
+        or id(x) in self.state_ids or id(x) in self.apart_ids or is_key(x)):
+      return None
+    return _axis_of(tuple(x.shape), self.batch_size, self.across_axes)
+
   def is_batch(self, x) -> bool:
-    """A batch leaf: the batch's leading size and not state (one of the step's own batch
-    arguments, or a value computed from them, such as token weights), and not a leaf of an
-    argument that is not all batch (a DQN's target network, whose biases may be as long as
-    the batch)."""
-    return (self.batch_size is not None and getattr(x, "ndim", 0) >= 1
-            and hasattr(x, "dtype") and x.shape[0] == self.batch_size
-            and id(x) not in self.state_ids and id(x) not in self.apart_ids
-            and not is_key(x))
+    return self.batch_axis_of(x) is not None
 
 
-def _group(tree) -> tuple[frozenset[int], tuple[int, ...]]:
+def _axis_of(shape: tuple, size: int | None, across_axes: bool) -> int | None:
+  """Where `shape` holds the batch of `size`: its first axis; else (`across_axes`) its only
+  axis of that length, or a first axis of several rows per example, examples major (five
+  captions per image, [5B, ...]). Which axis is a designation, not a proof: the analysis
+  then splits the loss along it exactly or refuses."""
+  if not shape or not size:
+    return None
+  if shape[0] == size:
+    return 0
+  if not across_axes:
+    return None
+  axes = [i for i, n in enumerate(shape) if n == size]
+  if len(axes) == 1:
+    return axes[0]
+  return 0 if not axes and shape[0] % size == 0 else None
+
+
+def _group(tree) -> tuple[frozenset[int], tuple[tuple[int, ...], ...]]:
   leaves = [x for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0) >= 1 and not is_key(x)]
-  return frozenset(map(id, leaves)), tuple(int(x.shape[0]) for x in leaves)
+  return frozenset(map(id, leaves)), tuple(tuple(map(int, x.shape)) for x in leaves)
 
 
-def _commonest(candidates: tuple) -> int | None:
-  sizes = collections.Counter(n for n, _, _ in candidates)
-  return sizes.most_common(1)[0][0] if sizes else None
+def _vote(candidates: tuple, across_axes: bool) -> int | None:
+  """The batch's size: the commonest first axis of the batch's leaves; across axes, a tie
+  goes to the size more leaves hold on any axis (time-major inputs [T, B, D] beside labels
+  [B]: B, not T), then to the one more first axes are multiples of (images [B] beside
+  their captions [5B]: B)."""
+  leading = collections.Counter(n for n, _, _ in candidates)
+  if not leading:
+    return None
+  if not across_axes:
+    return leading.most_common(1)[0][0]
+  anywhere = collections.Counter(n for _, shape, _ in candidates for n in set(shape))
+  return max(leading, key=lambda n: (leading[n], anywhere[n],
+                                     sum(c for s, c in leading.items() if s % n == 0)))
 
 
 def is_key(x) -> bool:
@@ -140,6 +182,7 @@ class Traced:
   closed: Any = None
   prog: flat.Program | None = None
   state_ids: frozenset[int] = frozenset()  # the step's state leaves: never the batch
+  axes: tuple[int, ...] = ()  # per batch value (`inputs()[2]`): the axis holding the batch
 
   @property
   def n_diff(self) -> int:
@@ -184,8 +227,10 @@ def trace(fun, argnums, args, kwargs, ctx: Context) -> Traced:
   explicit = {id(x) for x in leaves}
   captured = [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer)
                                       and ctx.is_batch(x)) if id(x) not in explicit]
+  batch = [x for x, k in zip(leaves, kinds) if k == "batch"] + captured
   t = Traced(fun, diff, leaves, treedef, kinds, captured, [],
-              state_ids=ctx.state_ids | ctx.apart_ids)
+             state_ids=ctx.state_ids | ctx.apart_ids,
+             axes=tuple(ctx.batch_axis_of(x) for x in batch))
   t.closed = jax.make_jaxpr(t.g)(*t.inputs())
   t.prog = flat.flatten(t.closed)
   return t
@@ -237,7 +282,7 @@ def analyse(t: Traced, batch: int, microbatched: bool = True) -> Split:
   dep_slots = _depends(prog, set(prog.invars[:n_diff]))
   token = custom_rules.SEEN.set(seen)
   try:
-    tags = batch_axis.analyse(prog, {v: 0 for v in batch_slots}, batch, t.closed.consts,
+    tags = batch_axis.analyse(prog, dict(zip(batch_slots, t.axes)), batch, t.closed.consts,
                               hoisted, lambda v: v not in dep_slots)
   finally:
     custom_rules.SEEN.reset(token)

@@ -169,8 +169,9 @@ class Found:
 def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   """The gradient under the plan in force; jax's own where nothing applies."""
   before = plan_lib.reads_now()
-  ctx = ctx.beside([x for i in auto_grad.normalized_argnums(argnums, len(args))
-                    if i < len(args) for x in jax.tree.leaves(args[i])])
+  differentiated = [x for i in auto_grad.normalized_argnums(argnums, len(args))
+                    if i < len(args) for x in jax.tree.leaves(args[i])]
+  whole, ctx = ctx, ctx.beside(differentiated)
   try:
     t = auto_grad.trace(fun, argnums, args, kwargs, ctx)
   except Exception as e:  # pylint: disable=broad-except  (then jax's own, which raises its own)
@@ -180,18 +181,21 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   helpers = plan_lib.reads_now() - before  # the step's own plan-aware helpers, inside the loss
   if "microbatches" in helpers:
     return own(*args, **kwargs)  # the step splits its own batch
+  split, refused = _analyse(t, ctx.batch_size)
+  lead = whole.leading_only().beside(differentiated)
+  if refused is not None and (any(t.axes) or lead.batch_size != ctx.batch_size):
+    # Refused with the batch on other axes too: as it was split before, on first axes.
+    try:
+      t0 = auto_grad.trace(fun, argnums, args, kwargs, lead)
+    except Exception:  # pylint: disable=broad-except  (the refusal above stands)
+      t0 = None
+    if t0 is not None:
+      split0, refused0 = _analyse(t0, lead.batch_size)
+      if split0 is not None or lead.batch_size:
+        ctx, t, split, refused = lead, t0, split0, refused0
   batch = ctx.batch_size
-  described = tuple(auto_grad.describe_leaf(x) for x in t.inputs()[2])
-  split = refused = None
-  try:
-    if not batch:
-      raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
-                                     "arguments have no leading axis)")
-    split = auto_grad.analyse(t, batch, plan_lib.peek("microbatches") > 1)
-  except batch_axis.NotSplittable as e:
-    refused = str(e)
-  except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)
-    refused = f"the analysis failed ({type(e).__name__}: {e!s:.120}); please report it"
+  described = tuple(auto_grad.describe_leaf(x) + (f" (batch on axis {a})" if a else "")
+                    for x, a in zip(t.inputs()[2], t.axes))
   try:
     segments, layers = layers_lib.segments(t.prog, range(len(t.prog.eqns)),
                                            t.prog.invars[:t.n_diff])
@@ -223,6 +227,19 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
     return own(*args, **kwargs)
   out, grads = auto_grad.unflatten(t, outs, grads, args)
   return out, grads[0] if isinstance(argnums, int) else tuple(grads)
+
+
+def _analyse(t: auto_grad.Traced, batch: int | None):
+  """(split, None) where the traced loss splits over the batch, else (None, why not)."""
+  try:
+    if not batch:
+      raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
+                                     "arguments have no leading axis)")
+    return auto_grad.analyse(t, batch, plan_lib.peek("microbatches") > 1), None
+  except batch_axis.NotSplittable as e:
+    return None, str(e)
+  except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)
+    return None, f"the analysis failed ({type(e).__name__}: {e!s:.120}); please report it"
 
 
 def _name(fun, ctx) -> str:

@@ -20,7 +20,7 @@ def _micro_program(t: auto_grad.Traced, split: auto_grad.Split, batch: int, k: i
   """The loss traced on one microbatch, checked equation for equation against the whole."""
   m = batch // k
   diff, other, batch_vals = t.inputs()
-  shapes = [_microbatch_of(x, m) for x in batch_vals]
+  shapes = [_microbatch_of(x, x.shape[a] // k, a) for x, a in zip(batch_vals, t.axes)]
   try:
     closed = jax.make_jaxpr(t.g)(diff, other, shapes)
   except Exception as e:  # pylint: disable=broad-except  (a shape fixed at the batch's size)
@@ -66,16 +66,27 @@ def _check_shrinks(whole: flat.Eqn, micro: flat.Eqn, tags: dict, k: int) -> None
           f"not split with it (a constant or an argument) meets per-example values")
 
 
-def _microbatch_of(x, m: int) -> jax.ShapeDtypeStruct:
-  """`x`'s type at m examples: its dtype, weak type and, where the step is traced under a
-  mesh, its sharding (whose absence would trace otherwise: a scalar meeting it is
-  resharded, as in flax's attention masks)."""
+def _microbatch_of(x, m: int, axis: int) -> jax.ShapeDtypeStruct:
+  """`x`'s type with `axis` m long (a microbatch's rows): its dtype, weak type and, where the step is
+  traced under a mesh, its sharding (whose absence would trace otherwise: a scalar meeting
+  it is resharded, as in flax's attention masks)."""
   aval = jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
   if sharding is not None and getattr(getattr(sharding, "mesh", None), "empty", True):
     sharding = None
-  return jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype, sharding=sharding,
-                              weak_type=getattr(aval, "weak_type", False))
+  shape = tuple(x.shape)
+  return jax.ShapeDtypeStruct(shape[:axis] + (m,) + shape[axis + 1:], x.dtype,
+                              sharding=sharding, weak_type=getattr(aval, "weak_type", False))
+
+
+def _parts(x, axis: int, k: int, batch: int):
+  """`x` as k microbatches stacked first, (k, ...), each with the batch where `x` has it:
+  microbatch i takes examples i, i+k, i+2k, ..., each with its r rows where `axis` holds
+  r per example, examples major (five captions per image)."""
+  y = jnp.moveaxis(x, axis, 0)
+  r, rest = y.shape[0] // batch, tuple(y.shape[1:])
+  y = jnp.swapaxes(y.reshape((batch // k, k, r) + rest), 0, 1)
+  return jnp.moveaxis(y.reshape((k, batch // k * r) + rest), 1, axis + 1)
 
 
 def _literal(atom):
@@ -110,8 +121,7 @@ def microbatched(t: auto_grad.Traced, split: auto_grad.Split, batch: int, k: int
   diff, other, batch_vals = t.inputs()
   # Microbatch i takes examples i, i+k, i+2k, ...: a batch sharded over devices (data
   # parallel) gives each device an equal share of every microbatch.
-  parts = [jnp.swapaxes(x.reshape((batch // k, k) + tuple(x.shape[1:])), 0, 1)
-           for x in batch_vals]
+  parts = [_parts(x, a, k, batch) for x, a in zip(batch_vals, t.axes)]
   keys = _key_slots(prog, prog.constvars, closed.consts)
   other_keys = _key_slots(prog, prog.invars[t.n_diff:t.n_diff + len(other)], other)
   dep = [j for j, d in enumerate(split.dep) if d]

@@ -542,7 +542,7 @@ def _():
       mlp_params(), _x(10, (127, D)), _labels(11, 127))
 
 
-@case("captions_five_per_image")
+@case("captions_five_per_image", expect_split=True)
 def _():
   def loss(p, img, cap):
     zi = jnp.repeat(img @ p["wi"], 5, axis=0)
@@ -551,7 +551,7 @@ def _():
                              _x(24, (5 * B, D)))
 
 
-@case("time_major_batch")
+@case("time_major_batch", expect_split=True)
 def _():
   def loss(p, xs, y):  # xs: [T, B, D]
     def cell(h, x):
@@ -562,6 +562,48 @@ def _():
     return ({"wx": _normal(0, (D, H)), "wh": _normal(1, (H, H)), "out": _normal(2, (H, C))},
             _x(25, (6, B, D)), _labels())
   return sgd(loss), make
+
+
+# Where another layout of the same shapes would be read as examples major or the batch's
+# axis is ambiguous: refused (or, where the analysis can prove it, exact), never different.
+@case("captions_caption_major_tiled", expect_split=False)
+def _():
+  def loss(p, img, cap):  # caption j of image i at row j * B + i: examples minor
+    zi = jnp.tile(img @ p["wi"], (5, 1))
+    return jnp.mean((zi - cap @ p["wt"]) ** 2)
+  return sgd(loss), lambda: ({"wi": _normal(0, (D, H)), "wt": _normal(1, (D, H))}, _x(),
+                             _x(26, (5 * B, D)))
+
+
+@case("captions_read_caption_major", expect_split=False)
+def _():
+  def loss(p, img, cap):
+    per_caption = cap.reshape(5, img.shape[0], -1).mean(0)  # rows j * B + i as image i's
+    return jnp.mean((img @ p["wi"] - per_caption @ p["wt"]) ** 2)
+  return sgd(loss), lambda: ({"wi": _normal(0, (D, H)), "wt": _normal(1, (D, H))}, _x(),
+                             _x(27, (5 * B, D)))
+
+
+@case("time_major_as_long_as_the_batch")
+def _():
+  def loss(p, xs, y):  # xs: [T, B, D] with T == B: the first axis is taken, and scanned over
+    def cell(h, x):
+      return jnp.tanh(x @ p["wx"] + h @ p["wh"]), None
+    h, _ = jax.lax.scan(cell, jnp.zeros((xs.shape[1], H)), xs)
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], y).mean()
+  def make():
+    return ({"wx": _normal(0, (D, H)), "wh": _normal(1, (H, H)), "out": _normal(2, (H, C))},
+            _x(28, (B, B, D)), _labels())
+  return sgd(loss), make
+
+
+@case("time_major_per_step_labels")
+def _():
+  def loss(p, xs, ys):  # xs: [T, B, D], ys: [T, B]
+    logits = jnp.tanh(xs @ p["w1"] + p["b1"]) @ p["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ys).mean()
+  return sgd(loss), lambda: (mlp_params(), _x(29, (8, B, D)),
+                             jax.random.randint(jax.random.key(30), (8, B), 0, C))
 
 
 # ------------------------------------------------------ optimizers and whole steps

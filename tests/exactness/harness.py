@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hbm_guard
+from hbm_guard._src import auto_grad
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
@@ -109,9 +110,10 @@ def under_plan(case: Case, plan: plan_lib.Plan, steps: int = STEPS,
 
 
 def batch_size(case: Case) -> int:
-  """The leading size of the step's first batch argument."""
+  """The batch's size as the guard votes it from the step's batch arguments (time-major
+  inputs [T, B, D] beside labels [B]: B)."""
   _, *args = case.make()
-  return next(int(x.shape[0]) for x in jax.tree.leaves(args) if getattr(x, "ndim", 0) >= 1)
+  return auto_grad.Context.from_args(tuple(args), {}, (), ()).batch_size
 
 
 def donated_peak(case: Case) -> int:
