@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
 
@@ -273,8 +274,7 @@ def main():
   results = []
   for name in names:
     results += rows(name)
-    print(markdown(results[-len(CAPACITIES):]), flush=True)
-  print()
+    print(markdown(results[-len(CAPACITIES):]), file=sys.stderr, flush=True)  # progress
   print(markdown(results))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

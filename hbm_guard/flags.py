@@ -53,7 +53,7 @@ PROGRESS = flags.DEFINE_bool(
     "Once a step does not fit, print a line to stderr for each compile and probe.")
 
 TIMED_RIVALS = flags.DEFINE_integer(
-    "hbm_guard_timed_rivals", 4,
+    "hbm_guard_timed_rivals", 6,
     "Where the step runs on this host's devices: how many plans that fit near the search's "
     "choice are timed against it on the first steps (the fastest is kept and remembered); "
     "0: the search's choice, priced by flops.", lower_bound=0)

@@ -47,11 +47,15 @@ def test_rivals_are_twice_the_microbatches_then_lighter_remat_then_heavier_at_fe
   # more remat at fewer microbatches (on a GPU that won): the fewest from half the count
   assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == at(NOTHING, 1)
   tried |= {at(NOTHING, 1)}
-  assert rivals_lib.next_rival(f, at(DOTS, 2), tried) is None
+  # then its own family at fewer microbatches, unless a compile said it does not fit
+  assert rivals_lib.next_rival(f, at(DOTS, 2), tried) == DOTS
+  assert rivals_lib.next_rival(rivals_lib.learn(f, DOTS, fits=False), at(DOTS, 2), tried) is None
   # from the heaviest family at the largest count: each lighter one at its fewest that fit
   assert rivals_lib.next_rival(f, at(NOTHING, 16), frozenset()) == at(DONATE, 4)
   assert rivals_lib.next_rival(f, at(NOTHING, 16), frozenset({at(DONATE, 4)})) == at(DOTS, 2)
-  assert rivals_lib.next_rival(f, at(NOTHING, 16), frozenset({at(DONATE, 4), at(DOTS, 2)})) is None
+  tried = frozenset({at(DONATE, 4), at(DOTS, 2)})
+  assert rivals_lib.next_rival(f, at(NOTHING, 16), tried) == at(NOTHING, 8)  # about half
+  assert rivals_lib.next_rival(f, at(NOTHING, 16), tried | {at(NOTHING, 8)}) is None
 
 
 def test_a_lighter_rival_the_search_never_measured_is_the_fewest_count_not_ruled_out():
@@ -89,9 +93,11 @@ class _Clock:
     return self.now
 
 
-def _one_family(chosen, **kw):
-  """A field of one family (no remat): the tournament's rivals are its counts alone."""
-  return _field(chosen, families=(DONATE,), **kw)
+def _one_family(chosen, counts=(1, 2, 4, 8, 16), **kw):
+  """A field of one family (no remat): the tournament's rivals are its counts alone, above
+  the chosen one (fewer failed, as the search found)."""
+  failing = [at(DONATE, n) for n in counts if n < chosen.microbatches]
+  return _field(chosen, failing=failing, counts=counts, families=(DONATE,), **kw)
 
 
 def _tournament(speed, field, chosen, fits=lambda p: True, max_rivals=4):
@@ -133,6 +139,31 @@ def test_a_rival_within_the_noise_does_not_displace_the_incumbent():
   t, _, settled = _tournament(speed, _one_family(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2))
   _run(t, settled)
   assert settled[0].winner == at(DONATE, 2)
+
+
+class _FastAtFirst(dict):
+  """Step times where `plan`'s first `n` steps are fast by chance, and the rest slow."""
+
+  def __init__(self, speed, plan, n):
+    super().__init__(speed)
+    self.plan, self.n = plan, n
+
+  def __getitem__(self, plan):
+    if plan == self.plan:
+      self.n -= 1
+      return 0.5 if self.n >= 0 else 1.2
+    return super().__getitem__(plan)
+
+
+def test_a_rival_faster_in_one_round_only_does_not_win():
+  # its untimed first step and its first timed round are fast; the confirming round is not
+  speed = _FastAtFirst({at(DONATE, 2): 1.0}, at(DONATE, 4), 1 + tournament_lib.STEPS_EACH)
+  t, _, settled = _tournament(speed, _one_family(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2))
+  _run(t, settled)
+  (outcome,) = settled
+  assert outcome.winner == at(DONATE, 2)
+  timed = {tm.plan: len(tm.seconds) for tm in outcome.timings}
+  assert timed[at(DONATE, 4)] == 2 * tournament_lib.STEPS_EACH  # two rounds, then let go
 
 
 def test_a_rival_that_does_not_fit_is_never_run_and_the_count_of_rivals_is_bounded():

@@ -40,8 +40,8 @@ class Context:
   step_name: str = "step"
   mesh: Any = None  # the plan shards the batch over this mesh's "fsdp" axis (data parallel)
   candidates: tuple = ()  # (leading size, shape, dtype) of each leaf that voted for the size
-  # (leaf ids, leading sizes) of each non-state argument's arrays, and the ids of those
-  # arguments whose arrays do not all lead with the batch's size
+  # (leaf ids, shapes) of each non-state argument's arrays, and the ids of those arguments
+  # with an array that does not hold the batch's size (`_axis_of`)
   groups: tuple = ()
   apart_ids: frozenset = frozenset()
   # Whether a leaf may hold the batch on an axis other than its first (a time-major [T, B, D]

@@ -67,9 +67,9 @@ def _check_shrinks(whole: flat.Eqn, micro: flat.Eqn, tags: dict, k: int) -> None
 
 
 def _microbatch_of(x, m: int, axis: int) -> jax.ShapeDtypeStruct:
-  """`x`'s type with `axis` m long (a microbatch's rows): its dtype, weak type and, where the step is
-  traced under a mesh, its sharding (whose absence would trace otherwise: a scalar meeting
-  it is resharded, as in flax's attention masks)."""
+  """`x`'s type with `axis` m long (a microbatch's rows): its dtype, weak type and, where
+  the step is traced under a mesh, its sharding (whose absence would trace otherwise: a
+  scalar meeting it is resharded, as in flax's attention masks)."""
   aval = jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
   if sharding is not None and getattr(getattr(sharding, "mesh", None), "empty", True):

@@ -136,7 +136,7 @@ class GuardOptions:
   auto_plan_aware: bool = True  # microbatch and remat an unmodified step's jax.value_and_grad
   # Where the step runs here: plans near the search's choice timed against it on the first
   # steps, the fastest kept (`tournament`); 0: the search's choice, priced by flops.
-  timed_rivals: int = 4
+  timed_rivals: int = 6
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):

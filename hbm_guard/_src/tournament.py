@@ -5,12 +5,13 @@ fits in cache), and underfill a TPU's MXU. Where the step runs here, the plan th
 chose is the incumbent, and rivals near it (`search.rivals`) are compiled beside its steps
 (in a thread, after its first few) and then timed against it in alternating steps, each a
 real step of the user's: plans within `max_class` compute the same training up to the
-rounding that class allows, so none is wasted. A rival faster by more than the noise
-becomes the incumbent; one whose compile does not fit is learnt, so the next rival is not
-its like. After at most `max_rivals` rivals the incumbent is settled on: the guard runs
-it directly from then on (nothing on the hot path), reports every plan's median step time
-and remembers the winner in the plan cache, so a restart compiles only it. At most two
-executables are held at a time: the incumbent's and one rival's.
+rounding that class allows, so none is wasted. A rival faster by more than the noise in
+two rounds running becomes the incumbent; one whose compile does not fit is learnt, so
+the next rival is not its like. After at most `max_rivals` rivals the incumbent is
+settled on: the guard runs it directly from then on (nothing on the hot path), reports
+every plan's median step time and remembers the winner in the plan cache, so a restart
+compiles only it. At most two executables are held at a time: the incumbent's and one
+rival's.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class Tournament:
     self._done = False
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._untimed = SETTLING_STEPS
+    self._confirming = False  # the rival won its first round: a second must agree
 
   def __call__(self, args, kwargs):
     with self._lock:
@@ -175,20 +177,28 @@ class Tournament:
       self._seconds.pop(program(self._rival), None)
     self._schedule.clear()
     self._round.clear()
-    self._rival, self._compiling = None, None
+    self._rival, self._compiling, self._confirming = None, None, False
 
   def _judge(self) -> None:
-    """After a round: the faster by more than MARGIN is the incumbent; the other let go."""
+    """After a round: a rival faster by more than MARGIN in two rounds running (one round
+    of four steps each is noise enough on a busy host to crown a plan 10% slower) is the
+    incumbent; the other let go."""
     rival, incumbent = program(self._rival), program(self._incumbent)
     mine, theirs = (statistics.median(self._round[p]) for p in (incumbent, rival))
     logging.info("hbm_guard: timed %s at %.4f s a step against %s at %.4f s",
                  self._rival.describe(), theirs, self._incumbent.describe(), mine)
+    self._round.clear()
+    faster = theirs < (1 - MARGIN) * mine
+    if faster and not self._confirming:
+      self._confirming = True  # the second round leads with the incumbent's rival
+      self._schedule.extend((p, True) for _ in range(STEPS_EACH)
+                            for p in (self._rival, self._incumbent))
+      return
     loser = rival
-    if theirs < (1 - MARGIN) * mine:
+    if faster:
       self._incumbent, loser = self._rival, incumbent
     self._runs.pop(loser, None)  # two executables at most
-    self._rival, self._compiling = None, None
-    self._round.clear()
+    self._rival, self._compiling, self._confirming = None, None, False
 
   def _finish(self) -> None:
     if self._done:

@@ -4,8 +4,8 @@ On the device that runs the step, a plan's speed is measured, not priced (`tourn
 The search leaves a `Field`: its families, the microbatch counts, and the plans it knows
 fit or fail. From an incumbent, the next rival is a neighbour that may run faster: about
 twice the microbatches in its family (on a CPU each then fits in cache; on an accelerator
-the measurement says), less rematerialisation at the fewest count that may fit, or more
-rematerialisation at fewer microbatches (on a GPU that won).
+the measurement says), less rematerialisation at the fewest count that may fit, more
+rematerialisation at fewer microbatches (on a GPU that won), or fewer microbatches.
 Rivals differ from the incumbent only in remat policy and microbatch count: the same
 donation and layout, so the state moves between them as it is."""
 
@@ -70,7 +70,8 @@ def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
   family (lightest first) at the fewest count that may fit, from `plan`'s up or where a
   compile said it fits (the search may never have measured it: the rival's compile says);
   a heavier one (nearest first) at the fewest that may fit from half `plan`'s count to it
-  (on a GPU fewer, larger microbatches with more recompute ran faster)."""
+  (on a GPU fewer, larger microbatches with more recompute ran faster); its own family at
+  about half its count."""
   counts = [k for k in f.counts if k not in f.unmeasured]
   k = plan.microbatches
   more = [n for n in counts if n >= 2 * k]
@@ -86,6 +87,9 @@ def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
   for heavier in kin[kin.index(family) + 1:]:
     yield from _fewest(f, heavier, [n for n in counts
                                     if k // 2 <= n <= k or (n <= k and known(heavier, n))])
+  # about half the microbatches of its own family, where an earlier move left it more
+  # than it needs
+  yield from _fewest(f, family, [n for n in counts if k // 2 <= n < k])
 
 
 def learn(f: Field, plan: Plan, fits: bool) -> Field:
