@@ -245,7 +245,8 @@ def rows(name: str) -> list[dict]:
                 "searched_ratio": (plans[dataclasses.replace(g["searched"], rungs=())]
                                    ["median_s"] / fits[fastest]["median_s"]),
                 "fit_s": g["fit_s"], "compile_s": plans.get(chosen, {}).get("compile_s"),
-                "settle_steps": g["steps"] if g["timed"] else None})
+                "settle_steps": g["steps"] if g["timed"] else None,
+                "timed": g["timed"]})  # the tournament's plans and medians, in the JSON only
   return out
 
 

@@ -58,6 +58,18 @@ def test_rivals_are_twice_the_microbatches_then_lighter_remat_then_heavier_at_fe
   assert rivals_lib.next_rival(f, at(NOTHING, 16), tried | {at(NOTHING, 8)}) is None
 
 
+def test_after_more_microbatches_won_the_heavier_rival_is_still_the_fewest_that_may_fit():
+  # The mixer at 50% of its peak (bench_plan_quality, CPU): the search chose remat(dots) at
+  # 2, and 4 won; full remat unsplit ran 1.15x faster than it, but from 4 the heavier rival
+  # was taken from 2 up and it was never timed.
+  f = _field(at(DOTS, 2), failing=[DONATE, at(DONATE, 2)])
+  tried = frozenset({at(DOTS, 2), at(DOTS, 4), at(DOTS, 8), at(DONATE, 4)})
+  assert rivals_lib.next_rival(f, at(DOTS, 4), tried) == NOTHING
+  # where a compile said it does not fit, the next count of the family
+  assert rivals_lib.next_rival(rivals_lib.learn(f, NOTHING, fits=False), at(DOTS, 4),
+                               tried) == at(NOTHING, 2)
+
+
 def test_a_lighter_rival_the_search_never_measured_is_the_fewest_count_not_ruled_out():
   # the search chose remat at one microbatch; without remat 1 and 2 failed, 4 was never compiled
   f = _field(DOTS, failing=[DONATE, at(DONATE, 2)], counts=(1, 2, 4, 8))
