@@ -269,7 +269,9 @@ def analyse(t: Traced, batch: int, microbatched: bool = True) -> Split:
   n_other = sum(k == "other" for k in t.kinds)
   batch_slots = prog.invars[n_diff + n_other:]
   if not batch_slots:
-    raise batch_axis.NotSplittable("no batch input reaches the loss")
+    raise batch_axis.NotSplittable(
+        f"no input of the loss holds the step's batch of {batch} examples (a part of it, "
+        f"such as minibatches the step scans over itself, is not split again)")
   for c in t.closed.consts:
     if (isinstance(c, jax.core.Tracer) and getattr(c, "ndim", 0) >= 1 and c.shape[0] == batch
         and id(c) not in t.state_ids):  # a state leaf the batch's size (BatchNorm's 128 means)

@@ -819,4 +819,192 @@ def _():
   return step, lambda: (mlp_params(), _x(), _labels(), nnx.split(nnx.Rngs(dropout=3)))
 
 
+# ----------------------------------- steps from a second reading (stop 46): new shapes
+def _per(p, x):
+  return jnp.sum(mlp(p, x) ** 2, -1)
+
+
+@case("mean_with_where", expect_split=True)
+def _():
+  return sgd(lambda p, x, y: jnp.mean(_per(p, x), where=y > 0)), _xy
+
+
+@case("average_with_weights", expect_split=True)
+def _():
+  return sgd(lambda p, x, y: jnp.average(_per(p, x), weights=(y + 1).astype(jnp.float32))), _xy
+
+
+@case("square_of_the_mean", expect_split=True)
+def _():
+  # a function of a sum whose cotangent needs the total: each sum's gradient is scaled
+  # once combined (a small step: the loss's curvature amplifies rounding over 3 steps)
+  def loss(p, x, y):
+    m = jnp.mean(_per(p, x))
+    return m ** 2 + jnp.sqrt(m)
+  return sgd(loss, lr=1e-6), _xy
+
+
+@case("label_prior_from_the_batch", expect_split=True)
+def _():
+  def loss(p, x, y):  # logit adjustment by the batch's label frequencies: parameter-free
+    prior = jnp.mean(jax.nn.one_hot(y, C), 0)
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, x) + jnp.log(prior + 1e-3),
+                                                           y).mean()
+  return sgd(loss), _xy
+
+
+@case("repeat_each_example", expect_split=True)
+def _():
+  return sgd(lambda p, x, y: jnp.mean(mlp(p, jnp.repeat(x, 2, axis=0)) ** 2)), _xy
+
+
+@case("dynamic_loss_scale", expect_split=True)
+def _():
+  def step(state, x, y):
+    def loss(p):
+      return _ce(p, x, y) * state["scale"]
+    l, g = jax.value_and_grad(loss)(state["p"])
+    g = jax.tree.map(lambda t: t / state["scale"], g)
+    return ({"p": jax.tree.map(lambda a, b: a - 0.1 * b, state["p"], g), "scale": state["scale"]},
+            {"loss": l})
+  return step, lambda: ({"p": mlp_params(), "scale": jnp.float32(1024.0)}, _x(), _labels())
+
+
+@case("sharpness_aware_two_gradients", expect_split=True)
+def _():
+  def step(p, x, y):  # SAM: a gradient at the parameters, the update's at a perturbed copy
+    g = jax.grad(_ce)(p, x, y)
+    norm = jnp.sqrt(sum(jnp.sum(t ** 2) for t in jax.tree.leaves(g)))
+    l, g2 = jax.value_and_grad(_ce)(jax.tree.map(lambda a, b: a + 0.05 * b / norm, p, g), x, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g2), {"loss": l}
+  return step, _xy
+
+
+@case("gradient_in_a_fori_loop", expect_split=True)
+def _():
+  def step(p, x, y):  # several updates on the same batch
+    def body(_, p):
+      return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(_ce)(p, x, y))
+    return jax.lax.fori_loop(0, 3, body, p), {}
+  return step, _xy
+
+
+@case("linen_dropout_rngs_closed_over", stochastic=True)
+def _():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      h = nn.Dropout(0.3, deterministic=not train)(nn.relu(nn.Dense(H)(x)))
+      return nn.Dense(C)(h)
+  net = Net()
+
+  def step(params, x, y, key):
+    def loss(q):
+      return _ce_logits(net.apply({"params": q}, x, True, rngs={"dropout": key}), y)
+    l, g = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), {"loss": l}
+  return step, lambda: (net.init(jax.random.key(0), _x(), False)["params"], _x(), _labels(),
+                        jax.random.key(2))
+
+
+@case("stop_gradient_of_a_batch_statistic", expect_split=False)
+def _():
+  # stop_gradient does not make a statistic of the parameters' outputs parameter-free
+  return sgd(lambda p, x, y: jnp.mean(_per(p, x) / jax.lax.stop_gradient(
+      jnp.mean(_per(p, x))))), _xy
+
+
+@case("simclr_views_concatenated", expect_split=False)
+def _():
+  def loss(p, x, y):
+    z = mlp(p, jnp.concatenate([x, 0.9 * x], axis=0))
+    return jnp.mean((z[:x.shape[0]] - z[x.shape[0]:]) ** 2)
+  return sgd(loss), _xy
+
+
+@case("pairs_by_reshape", expect_split=False)
+def _():
+  def loss(p, x, y):
+    z = mlp(p, x).reshape(-1, 2, C)
+    return jnp.mean((z[:, 0] - z[:, 1]) ** 2)
+  return sgd(loss), _xy
+
+
+@case("triplets_by_index_arguments", expect_split=False)
+def _():
+  def loss(p, x, anchor, pos, neg):
+    z = mlp(p, x)
+    d = lambda i, j: jnp.sum((z[i] - z[j]) ** 2, -1)  # noqa: E731
+    return jnp.mean(jax.nn.relu(d(anchor, pos) - d(anchor, neg) + 1))
+  idx = jnp.arange(B)
+  return sgd(loss), lambda: (mlp_params(), _x(), idx, jnp.roll(idx, 1), jnp.roll(idx, 2))
+
+
+@case("mixup_with_a_shuffle_key", expect_split=False)
+def _():
+  def loss(p, x, y, key):
+    perm = jax.random.permutation(key, x.shape[0])
+    return _ce(p, 0.7 * x + 0.3 * x[perm], y)
+  return sgd(loss), lambda: (mlp_params(), _x(), _labels(), jax.random.key(8))
+
+
+@case("class_centres_by_segment_sum", expect_split=False)
+def _():
+  def loss(p, x, y):
+    z = mlp(p, x)
+    counts = jax.ops.segment_sum(jnp.ones(x.shape[0]), y, num_segments=C)
+    centres = jax.ops.segment_sum(z, y, num_segments=C) / (counts[:, None] + 1)
+    return jnp.mean((z - centres[y]) ** 2)
+  return sgd(loss), _xy
+
+
+@case("gradient_norm_penalty", expect_split=False)
+def _():
+  def loss(p, x, y):
+    inner = lambda q: jnp.mean(_per(q, x))  # noqa: E731
+    g = jax.grad(inner)(p)
+    return inner(p) + 0.01 * sum(jnp.sum(t ** 2) for t in jax.tree.leaves(g))
+  return sgd(loss), _xy
+
+
+@case("returns_by_reverse_scan_over_the_batch", expect_split=False)
+def _():
+  def loss(p, x, r):
+    def back(c, rr):
+      c = rr + 0.9 * c
+      return c, c
+    _, ret = jax.lax.scan(back, 0.0, r, reverse=True)
+    return jnp.mean((mlp(p, x)[:, 0] - ret) ** 2)
+  return sgd(loss), lambda: (mlp_params(), _x(), _normal(5, (B,), 1.0))
+
+
+@case("vicreg_covariance", expect_split=False)
+def _():
+  def loss(p, x, y):
+    z = mlp(p, x)
+    zc = z - z.mean(0)
+    cov = zc.T @ zc / (x.shape[0] - 1)
+    return jnp.mean(jax.nn.relu(1 - jnp.sqrt(jnp.diag(cov) + 1e-4))) + jnp.sum(cov ** 2) / C
+  return sgd(loss), _xy
+
+
+@case("minibatches_scanned_by_the_step", expect_split=False)
+def _():
+  def step(p, x, y):  # PPO's epochs over minibatches: the gradient sees a slice, not the batch
+    def body(p, mb):
+      l, g = jax.value_and_grad(_ce)(p, *mb)
+      return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+    p, losses = jax.lax.scan(body, p, (x.reshape(4, -1, D), y.reshape(4, -1)))
+    return p, {"loss": losses}
+  return step, _xy
+
+
+@case("largest_loss_in_aux", expect_split=False)
+def _():
+  def loss(p, x, y):
+    per = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y)
+    return per.mean(), jnp.max(per)
+  return sgd(loss, has_aux=True), _xy
+
+
 assert len(CASES) == len({c.name for c in CASES}), "case names are unique"
