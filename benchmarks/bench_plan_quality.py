@@ -36,7 +36,7 @@ from hbm_guard._src import compile as compile_lib
 CAPACITIES = (0.70, 0.50, 0.35)
 POLICIES = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
 MAX_COUNT = 32
-ROUNDS, STEPS = 5, 3  # alternating rounds of every plan, steps timed per plan a round
+ROUNDS, STEPS = 5, 8  # alternating rounds of every plan, steady steps timed per plan a round
 
 
 # -- the models ------------------------------------------------------------------------------
