@@ -58,6 +58,12 @@ TIMED_RIVALS = flags.DEFINE_integer(
     "choice are timed against it on the first steps (the fastest is kept and remembered); "
     "0: the search's choice, priced by flops.", lower_bound=0)
 
+ESTIMATED_RIVALS = flags.DEFINE_integer(
+    "hbm_guard_estimated_rivals", 0,
+    "For a target (--hbm_guard_target): how many plans that may fit near the search's choice "
+    "are compiled, the one the compiled programs estimate fastest kept (each costs a "
+    "compile); 0: the search's choice, priced by flops.", lower_bound=0)
+
 AUTO_PLAN_AWARE = flags.DEFINE_bool(
     "hbm_guard_auto_plan_aware", True,
     "Give an unmodified step the microbatch and remat rungs: its jax.value_and_grad / "
@@ -68,7 +74,8 @@ _HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempt
             "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
             "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
             "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS,
-            "auto_plan_aware": AUTO_PLAN_AWARE, "timed_rivals": TIMED_RIVALS}
+            "auto_plan_aware": AUTO_PLAN_AWARE, "timed_rivals": TIMED_RIVALS,
+            "estimated_rivals": ESTIMATED_RIVALS}
 
 
 def guard_options(defaults: dict | None = None) -> dict:

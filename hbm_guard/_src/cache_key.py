@@ -36,6 +36,8 @@ def parts(step: steps_lib.StepBuilder, backend, options: options_lib.GuardOption
       "ladder": [r.to_dict() for r in options.ladder], "state_argnums": options.state_argnums,
       "max_attempts": options.max_attempts, "search": options.search,
       "timed_rivals": options.timed_rivals,
+      # only where asked: keys written before the option existed stay valid
+      **({"estimated_rivals": options.estimated_rivals} if options.estimated_rivals else {}),
       "headroom": options.headroom, "auto_plan_aware": options.auto_plan_aware,
       "compiler_options": options.jit_kwargs.get("compiler_options"),
       "compile_environment": plan_cache_lib.compile_environment(),

@@ -106,7 +106,8 @@ class Ledger:
 
   def write(self, status: Status, *, final_plan: plan_lib.Plan | None = None,
             above: AboveClass | None = None, attempts: list[dict] | None = None,
-            note: str | None = None, timed: dict[str, Any] | None = None) -> bool:
+            note: str | None = None, timed: dict[str, Any] | None = None,
+            estimated: dict[str, Any] | None = None) -> bool:
     o = self.options
     data = report_lib.build(
         function=self.name, status=status,
@@ -114,7 +115,8 @@ class Ledger:
         final_plan=final_plan.to_dict() if final_plan is not None else None,
         target=o.target.name if o.target else None, capacity_bytes=o.budget,
         max_class=o.max_class, ladder=[r.to_dict() for r in o.ladder],
-        above_class=above.to_dict() if above else None, note=note, timed=timed)
+        above_class=above.to_dict() if above else None, note=note, timed=timed,
+        estimated=estimated)
     return self._writer.write(data)
 
 
@@ -189,17 +191,20 @@ class Fit:
     finally:  # the fit is over (its report priced): nothing left to price
       self.step.saw_traced(None, None, None, None)
 
-  def rivals(self, result: climb_lib.Result) -> rivals_lib.Field | None:
+  def rivals(self, result: climb_lib.Result, *, estimated: bool = False
+             ) -> rivals_lib.Field | None:
     """What the search knew around the plan it chose, for timing plans against it where
-    the step runs here (`tournament`); None where nothing was searched."""
-    if (self._search is None or self._last is None or not self.backend.runs_here
+    the step runs here (`tournament`), or, `estimated`, for comparing their compiled
+    programs on a target (`estimated`); None where nothing was searched."""
+    if (self._search is None or self._last is None
+        or self.backend.runs_here == estimated
         or result.status is not climb_lib.Status.FITS):
       return None
     plan, facts = self._last
     o, state = self.options, self._search.state
     fams, counts, _ = space.families(o.ladder, plan, facts, o.max_class,
                                      state.data_parallel_failed)
-    return rivals_lib.field(state, result.plan, fams, counts)
+    return rivals_lib.field(state, result.plan, fams, counts, estimated=estimated)
 
   def remember(self, plan: plan_lib.Plan, attempts: tuple[dict, ...]) -> None:
     """The plan the first steps settled on, in the plan cache in place of the search's."""
@@ -295,6 +300,15 @@ class Fit:
       trial = self.budget.wait(thread_context.submit(compile_now, "hbm_guard-compile"),
                                budget_lib.Spend.COMPILE)
     return self._paid(plan, trial)
+
+  def compile_rival(self, plan: plan_lib.Plan) -> compile_lib.Trial | None:
+    """A rival's compile at the capacity (`estimated`), counted against the budget and
+    said in the progress; None where the budget cannot pay for it."""
+    try:
+      self.budget.check(budget_lib.Spend.COMPILE)
+    except budget_lib.OutOfTime:
+      return None
+    return self._paid(plan, self.backend.compile(plan, self.key, self.args, self.kwargs))
 
   def _paid(self, plan: plan_lib.Plan, trial: compile_lib.Trial) -> compile_lib.Trial:
     """A compile's seconds counted against the budget, and its line of progress."""

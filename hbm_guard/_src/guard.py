@@ -11,6 +11,7 @@ jit (no recompiles), and the executable the fit compiled is the one the next cal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -23,6 +24,7 @@ from hbm_guard._src import backend as backend_lib
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
+from hbm_guard._src import estimated as estimated_lib
 from hbm_guard._src import fit as fit_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
@@ -121,18 +123,51 @@ class GuardedFunction:
       fit = fit_lib.Fit(self._step, self._backend, self.options, self._cache, self._ledger,
                         key, args, kwargs)
       result = fit.run(start, failed_run)
+      compared = self._compare_estimates(fit, result)
+      if compared is not None:
+        result = dataclasses.replace(result, plan=compared.winner)
       entry = self._step.plan_jit(self._backend.runnable(result.plan), args)
       entry.allowed.add(key)
       self._by_signature[key] = entry
       self._many_plans = len({id(e) for e in self._by_signature.values()}) > 1
       self._plan, self._hot = result.plan, entry
       self._time_rivals(fit, result, key, args, kwargs)
-      if len(result.attempts) > 1 or self._ledger.path is not None:
+      if compared is not None:
+        self._ledger.write(fit_lib.Status.FITS, final_plan=result.plan,
+                           estimated=compared.to_dict())
+        fit.remember(result.plan, tuple(a.to_dict() for a in self._ledger.attempts))
+      elif len(result.attempts) > 1 or self._ledger.path is not None:
         self._ledger.write(fit_lib.Status.FITS, final_plan=result.plan)
       if len(result.attempts) > 1:
         logging.info("hbm_guard: %s fits with %s after %d compile(s)", self._step.name,
                      result.plan.describe(), len(result.attempts))
       return entry
+
+  def _compare_estimates(self, fit: fit_lib.Fit, result: climb_lib.Result
+                         ) -> estimated_lib.Outcome | None:
+    """For a target, where the user allows it (`estimated_rivals`): plans near the
+    search's choice compiled, the one estimated fastest kept (`estimated`); None where
+    nothing was compared. Rivals stop where the fit's time budget would not cover one."""
+    field = fit.rivals(result, estimated=True) if self.options.estimated_rivals else None
+    if field is None or not result.attempts:
+      return None
+    chosen = result.attempts[-1].estimate
+    def compile_plan(plan):
+      trial = fit.compile_rival(plan)
+      if trial is None:  # past the time budget
+        return None
+      fits = trial.outcome is compile_lib.Outcome.FITS
+      seconds = trial.estimate.seconds if fits and trial.estimate is not None else None
+      logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
+                   result.plan.describe(), trial.outcome,
+                   "" if seconds is None else f", {1000 * seconds:.2f} ms a step")
+      return fits, seconds
+    outcome = estimated_lib.compare(field, result.plan, chosen and chosen.seconds,
+                                    compile_plan, self.options.estimated_rivals)
+    if outcome.winner != result.plan:
+      logging.info("hbm_guard: %s: %s in place of %s: %s", self._step.name,
+                   outcome.winner.describe(), result.plan.describe(), outcome.why)
+    return outcome
 
   def _time_rivals(self, fit: fit_lib.Fit, result: climb_lib.Result, key, args, kwargs):
     """Where the step runs here and the search left plans near its choice: the first steps

@@ -137,6 +137,9 @@ class GuardOptions:
   # Where the step runs here: plans near the search's choice timed against it on the first
   # steps, the fastest kept (`tournament`); 0: the search's choice, priced by flops.
   timed_rivals: int = 6
+  # For a target: plans near the search's choice compiled, the one whose program is
+  # estimated fastest kept (`estimated`); each costs a compile, so none unless asked.
+  estimated_rivals: int = 0
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -175,6 +178,10 @@ class GuardOptions:
         or isinstance(self.timed_rivals, bool) or self.timed_rivals < 0):
       raise _bad("timed_rivals", "a number of plans, 0 or more", self.timed_rivals)
     put("timed_rivals", int(self.timed_rivals))
+    if (not isinstance(self.estimated_rivals, numbers.Integral)
+        or isinstance(self.estimated_rivals, bool) or self.estimated_rivals < 0):
+      raise _bad("estimated_rivals", "a number of plans, 0 or more", self.estimated_rivals)
+    put("estimated_rivals", int(self.estimated_rivals))
     put("progress", _strict_bool("progress", self.progress))
     put("auto_plan_aware", _strict_bool("auto_plan_aware", self.auto_plan_aware))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))

@@ -30,7 +30,8 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
           final_plan: dict[str, Any] | None, target: str | None, capacity_bytes: int | None,
           max_class: str, ladder: list[dict[str, Any]], note: str | None = None,
           above_class: dict[str, Any] | None = None,
-          timed: dict[str, Any] | None = None) -> dict[str, Any]:
+          timed: dict[str, Any] | None = None,
+          estimated: dict[str, Any] | None = None) -> dict[str, Any]:
   """The report as a dict. status: climbing | fits | exhausted | diagnosed | failed."""
   last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
   withheld = sorted({s["rung"] for a in attempts for s in a.get("skipped", ())
@@ -50,6 +51,7 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
       "largest_allocations": largest_allocations(last["record"]) if last else [],
       "above_class": above_class,
       "timed": timed,  # the plans timed on the first steps, and why the one in force won
+      "estimated": estimated,  # a target's rivals compiled, each its estimated step
       "attempts": attempts,
       "ladder": ladder,
       "note": note,
@@ -300,6 +302,15 @@ def render(data: dict[str, Any]) -> str:
     for t in timed["plans"]:
       lines.append(f"    {t['plan']}: {1000 * t['median_seconds']:.2f} ms a step "
                    f"(median of {t['steps']})")
+  estimated = data.get("estimated") or {}
+  if estimated.get("plans"):
+    lines.append(f"  compiled for the target and compared ({estimated.get('why')}):")
+    for e in estimated["plans"]:
+      seconds = e.get("estimated_seconds")
+      said = (f"estimated {1000 * seconds:.2f} ms a step" if isinstance(seconds, (int, float))
+              and not isinstance(seconds, bool)
+              else "fits, no estimate" if e.get("fits") else "does not fit")
+      lines.append(f"    {e.get('plan')}: {said}")
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
   allocs = data.get("largest_allocations") or ()

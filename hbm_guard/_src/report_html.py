@@ -181,6 +181,13 @@ def render(data: dict[str, Any]) -> str:
     speeds = (f"<h2>Timed on the first steps</h2><p class='muted'>{_e(timed.get('why'))}</p>"
               "<table><tr><th>plan (the one in force first)</th><th>median step</th><th>steps"
               f"</th></tr>{speeds}</table>")
+  estimated = data.get("estimated") or {}
+  rivals = "".join(f"<tr><td>{_e(e.get('plan'))}</td><td class='num'>{_e(_estimated_ms(e))}"
+                   f"</td></tr>" for e in estimated.get("plans") or [])
+  if rivals:
+    speeds += (f"<h2>Compared on the target</h2><p class='muted'>{_e(estimated.get('why'))}"
+               "</p><table><tr><th>plan (the search's choice first)</th><th>estimated step"
+               f"</th></tr>{rivals}</table>")
   title = f"hbm_guard: {data.get('function')}"
   return f"""<!doctype html><html><head><meta charset="utf-8"><title>{_e(title)}</title>
 <style>{_CSS}</style></head><body>
@@ -198,3 +205,10 @@ def render(data: dict[str, Any]) -> str:
 <h2>What to change next</h2>{('<ol>' + steps + '</ol>') if steps else '<p class="muted">nothing: it fits</p>'}
 </body></html>
 """
+
+
+def _estimated_ms(e: dict) -> str:
+  seconds = e.get("estimated_seconds")
+  if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+    return f"{1000 * seconds:.2f} ms"
+  return "fits, no estimate" if e.get("fits") else "does not fit"

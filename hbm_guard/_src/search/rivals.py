@@ -34,15 +34,25 @@ class Field:
 
 
 def field(state: SearchState, chosen: Plan, families: Sequence[Plan],
-          counts: Sequence[int]) -> Field | None:
-  """The field around `chosen`; None where its figures are not a full compile's (a target:
-  its probes are estimates) or `chosen` is not one of the searched families."""
-  if not state.exact or model.family_of(chosen) not in {program(f) for f in families}:
+          counts: Sequence[int], *, estimated: bool = False) -> Field | None:
+  """The field around `chosen`; None where `chosen` is not one of the searched families,
+  or its figures are not a full compile's (a target: its probes are estimates) unless
+  `estimated`: then only compiles say a plan fits, and a probe predicting a plan does not
+  counts as its failure (each rival is a compile: none is spent on a likely failure)."""
+  if model.family_of(chosen) not in {program(f) for f in families}:
     return None
-  fitting = {p for p, n in state.needs.items() if n is not None and n <= state.capacity}
+  if state.exact:
+    fitting = {p for p, n in state.needs.items() if n is not None and n <= state.capacity}
+    failing = set(state.failed)
+  elif estimated:
+    fitting = set()
+    failing = set(state.failed) | {p for p, n in state.needs.items()
+                                   if n is not None and not state.fits(n)}
+  else:
+    return None
   fitting |= state.fit_by_compile | {program(chosen)}
   return Field(program(chosen), tuple(program(f) for f in families), tuple(counts),
-               frozenset(fitting), frozenset(state.failed), state.unmeasured)
+               frozenset(fitting), frozenset(failing - fitting), state.unmeasured)
 
 
 def _same_but_remat(a: Plan, b: Plan) -> bool:
