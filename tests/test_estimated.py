@@ -162,3 +162,22 @@ def test_a_target_compares_its_rivals_by_their_compiled_programs(tmp_path):
   assert plain.fit(w, x).describe() == chosen["plan"]
   with open(plain.report_path, encoding="utf-8") as f:
     assert json.load(f)["estimated"] is None
+
+
+@pytest.mark.real_compiler
+def test_a_restart_compiles_only_the_plan_kept(tmp_path, monkeypatch):
+  # any rival that fits is kept (a margin far below zero): the plan kept is not the
+  # search's choice, and the plan cache must hold the one kept
+  monkeypatch.setattr(estimated_lib, "MARGIN", -10.0)
+  w = jax.ShapeDtypeStruct((2, 1024, 1024), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
+  make = lambda: hbm_guard.guarded_jit(  # noqa: E731
+      _step, state_argnums=0, target="v5e:1x1", capacity="12MiB", max_class="numerics",
+      plan_cache=str(tmp_path / "cache"), progress=False, report_dir=str(tmp_path),
+      estimated_rivals=2)
+  first = make()
+  kept = first.fit(w, x)
+  searched = first.attempts[-1].plan
+  assert len(first.attempts) > 1 and kept != searched
+  again = make()
+  assert again.fit(w, x) == kept and len(again.attempts) == 1
