@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import tempfile
 import time
 
@@ -130,15 +131,23 @@ def own_shardings(target: str, state, batch):
   return {"in_shardings": (state_s, batch_s), "out_shardings": (state_s, None)}
 
 
+def _compared(g) -> list[dict]:
+  """The plans `estimated_rivals` compiled, from the fit's report (none without it)."""
+  if not g.report_path:
+    return []
+  with open(g.report_path, encoding="utf-8") as f:
+    return (json.load(f).get("estimated") or {}).get("plans") or []
+
+
 def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = False,
-        own: bool = False, drop_in: bool = True):
+        own: bool = False, drop_in: bool = True, estimated_rivals: int = 0):
   state, batch, n = abstract_args(s, PlainLM if unmodified else LM)
   step = plain_train_step if unmodified else hg_flax.train_step(loss_fn)
   shardings = own_shardings(target, state, batch) if own else {}
   g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                             plan_cache=False, max_fit_seconds=max_fit_seconds,
                             report_dir=tempfile.mkdtemp(), auto_plan_aware=drop_in,
-                            **shardings)
+                            estimated_rivals=estimated_rivals, **shardings)
   t0 = time.perf_counter()
   plan, error = None, None
   try:
@@ -155,7 +164,8 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
                               if plan is None or p.plan != planner_lib.program(plan)),
          "fit_seconds": seconds,
          "plan": plan.describe() if plan else None, "error": error,
-         "estimate": next((a.estimate for a in reversed(g.attempts) if a.estimate), None)}
+         "estimate": next((a.estimate for a in reversed(g.attempts) if a.estimate), None),
+         "compared": _compared(g)}
   if plan is not None:  # one compile of the plan found, in the same process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                                   plan_cache=False, plan=plan, auto_fallback=False,
@@ -201,10 +211,14 @@ def main():
                       "flags can apply (how long the guard takes to say no)")
   p.add_argument("--own-shardings", action="store_true",
                  help="pass hand-written FSDP in/out_shardings over the target's chips")
+  p.add_argument("--estimated-rivals", type=int, default=0,
+                 help="compile this many plans near the search's choice and keep the one "
+                      "the compiled programs estimate fastest")
   a = p.parse_args()
   s = Size(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Size)})
   print(f"jax {jax.__version__}, {s}, target {a.target}", flush=True)
-  r = fit(s, a.target, a.max_fit_seconds, a.unmodified, a.own_shardings, not a.no_drop_in)
+  r = fit(s, a.target, a.max_fit_seconds, a.unmodified, a.own_shardings, not a.no_drop_in,
+          a.estimated_rivals)
   print(f"hbm_guard: {r['params'] / 1e6:.0f}M params; {r['compiles']} compiles "
         f"(+{r['beside_failed']} that failed beside them, in place of probes), "
         f"{r['probes']} probes "
@@ -218,6 +232,10 @@ def main():
     print(f"estimated step time on the target: {1000 * e.seconds:.1f} ms ({e.by_cycles} ops by "
           f"libtpu's cycles, {e.by_roofline} by the roofline; read in {e.read_seconds:.1f} s "
           "of the fit)", flush=True)
+  for c in r["compared"]:
+    said = (f"{1000 * c['estimated_seconds']:.1f} ms" if c["estimated_seconds"] is not None
+            else "fits, no estimate" if c["fits"] else "does not fit")
+    print(f"  compared: {c['plan']}: {said}", flush=True)
   if not a.skip_halving:
     h = halving(s, a.target)
     print(f"batch halving: {h['compiles']} compiles, {h['seconds']:.0f} s, ends at batch "
