@@ -99,6 +99,12 @@ def test_a_targets_field_counts_only_compiles_as_fits_and_probes_over_the_capaci
   f = rivals_lib.field(state, at(DONATE, 4), fams, (1, 2, 4, 8), estimated=True)
   assert f.fitting == {at(DONATE, 4)}  # a probe's 600 is not a compile's
   assert at(DONATE, 2) in f.failing
+  # a failed compile bounds its family's counts: 368M's unsplit 81 GiB rules out 2 and 4
+  gib = 1 << 30
+  state = state_lib.SearchState(capacity=int(15.75 * gib), exact=False, state_bytes=5 * gib,
+                                real={DONATE: 81 * gib}, failed=frozenset({DONATE}))
+  f = rivals_lib.field(state, at(DOTS, 2), fams, (1, 2, 4, 8), estimated=True)
+  assert {at(DONATE, 2), at(DONATE, 4)} <= f.failing and at(DONATE, 8) not in f.failing
 
 
 @pytest.fixture()

@@ -48,6 +48,10 @@ def field(state: SearchState, chosen: Plan, families: Sequence[Plan],
     fitting = set()
     failing = set(state.failed) | {p for p, n in state.needs.items()
                                    if n is not None and not state.fits(n)}
+    # and what a failed compile rules out (368M: no remat at 2 and 4 microbatches, bounded
+    # at 41 and 23 GiB of 15.75 by the unsplit 81 GiB, compiled 54 s to say no)
+    failing |= {model.at(program(f), k) for f in families for k in counts
+                if model.ruled_out(state, model.at(program(f), k))}
   else:
     return None
   fitting |= state.fit_by_compile | {program(chosen)}
