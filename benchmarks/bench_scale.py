@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hbm_guard
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import planner as planner_lib
+from hbm_guard._src import report as report_lib
 from hbm_guard._src import targets as targets_lib
 from hbm_guard.integrations import flax as hg_flax
 
@@ -233,9 +234,7 @@ def main():
           f"libtpu's cycles, {e.by_roofline} by the roofline; read in {e.read_seconds:.1f} s "
           "of the fit)", flush=True)
   for c in r["compared"]:
-    said = (f"{1000 * c['estimated_seconds']:.1f} ms" if c["estimated_seconds"] is not None
-            else "fits, no estimate" if c["fits"] else "does not fit")
-    print(f"  compared: {c['plan']}: {said}", flush=True)
+    print(f"  compared: {c['plan']}: {report_lib.compared(c)}", flush=True)
   if not a.skip_halving:
     h = halving(s, a.target)
     print(f"batch halving: {h['compiles']} compiles, {h['seconds']:.0f} s, ends at batch "

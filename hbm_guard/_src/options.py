@@ -41,6 +41,12 @@ def _bad(option: str, accepts: str, value: Any) -> errors.InvalidOptionError:
   return errors.InvalidOptionError(f"{option}={value!r:.100} is not accepted: {accepts}.")
 
 
+def _plan_count(option: str, value: Any) -> int:
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+    raise _bad(option, "a number of plans, 0 or more", value)
+  return int(value)
+
+
 def _strict_bool(option: str, value: Any) -> bool:
   if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
     return bool(value)
@@ -174,14 +180,8 @@ class GuardOptions:
         raise _bad("max_fit_seconds", "None or a positive number of seconds",
                    self.max_fit_seconds)
       put("max_fit_seconds", float(self.max_fit_seconds))
-    if (not isinstance(self.timed_rivals, numbers.Integral)
-        or isinstance(self.timed_rivals, bool) or self.timed_rivals < 0):
-      raise _bad("timed_rivals", "a number of plans, 0 or more", self.timed_rivals)
-    put("timed_rivals", int(self.timed_rivals))
-    if (not isinstance(self.estimated_rivals, numbers.Integral)
-        or isinstance(self.estimated_rivals, bool) or self.estimated_rivals < 0):
-      raise _bad("estimated_rivals", "a number of plans, 0 or more", self.estimated_rivals)
-    put("estimated_rivals", int(self.estimated_rivals))
+    for name in ("timed_rivals", "estimated_rivals"):
+      put(name, _plan_count(name, getattr(self, name)))
     put("progress", _strict_bool("progress", self.progress))
     put("auto_plan_aware", _strict_bool("auto_plan_aware", self.auto_plan_aware))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))

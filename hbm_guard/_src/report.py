@@ -249,12 +249,24 @@ ESTIMATE_SOURCE = ("an estimate from the compiled program: libtpu's per-op cycle
                    "loops times their trip counts")
 
 
-def estimated_ms(attempt: dict[str, Any]) -> float | None:
-  """A fitting attempt's estimated step time in ms, if the report holds a sound one."""
-  seconds = (attempt.get("estimated_step") or {}).get("seconds")
+def _ms(seconds: Any) -> float | None:
+  """Seconds read from a report, in ms, if sound (a report is untrusted)."""
   if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
     return None
   return 1000.0 * seconds if 0 <= seconds < float("inf") else None
+
+
+def estimated_ms(attempt: dict[str, Any]) -> float | None:
+  """A fitting attempt's estimated step time in ms, if the report holds a sound one."""
+  return _ms((attempt.get("estimated_step") or {}).get("seconds"))
+
+
+def compared(entry: dict[str, Any]) -> str:
+  """What the report says of one plan `estimated_rivals` compiled."""
+  ms = _ms(entry.get("estimated_seconds"))
+  if ms is not None:
+    return f"estimated {ms:.2f} ms a step"
+  return "fits, no estimate" if entry.get("fits") else "does not fit"
 
 
 def made_as(probe: dict[str, Any]) -> str:
@@ -306,11 +318,7 @@ def render(data: dict[str, Any]) -> str:
   if estimated.get("plans"):
     lines.append(f"  compiled for the target and compared ({estimated.get('why')}):")
     for e in estimated["plans"]:
-      seconds = e.get("estimated_seconds")
-      said = (f"estimated {1000 * seconds:.2f} ms a step" if isinstance(seconds, (int, float))
-              and not isinstance(seconds, bool)
-              else "fits, no estimate" if e.get("fits") else "does not fit")
-      lines.append(f"    {e.get('plan')}: {said}")
+      lines.append(f"    {e.get('plan')}: {compared(e)}")
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
   allocs = data.get("largest_allocations") or ()

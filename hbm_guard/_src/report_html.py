@@ -182,8 +182,8 @@ def render(data: dict[str, Any]) -> str:
               "<table><tr><th>plan (the one in force first)</th><th>median step</th><th>steps"
               f"</th></tr>{speeds}</table>")
   estimated = data.get("estimated") or {}
-  rivals = "".join(f"<tr><td>{_e(e.get('plan'))}</td><td class='num'>{_e(_estimated_ms(e))}"
-                   f"</td></tr>" for e in estimated.get("plans") or [])
+  rivals = "".join(f"<tr><td>{_e(e.get('plan'))}</td><td class='num'>"
+                   f"{_e(report_lib.compared(e))}</td></tr>" for e in estimated.get("plans") or [])
   if rivals:
     speeds += (f"<h2>Compared on the target</h2><p class='muted'>{_e(estimated.get('why'))}"
                "</p><table><tr><th>plan (the search's choice first)</th><th>estimated step"
@@ -206,9 +206,3 @@ def render(data: dict[str, Any]) -> str:
 </body></html>
 """
 
-
-def _estimated_ms(e: dict) -> str:
-  seconds = e.get("estimated_seconds")
-  if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-    return f"{1000 * seconds:.2f} ms"
-  return "fits, no estimate" if e.get("fits") else "does not fit"
