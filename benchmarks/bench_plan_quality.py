@@ -266,20 +266,27 @@ def markdown(results: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def print_rows(names, rows_of, markdown_of, json_path: str | None) -> None:
+  """Each model's rows to stderr as they come (a run takes minutes a model), then the table
+  to stdout, and the rows as JSON to `json_path` where given."""
+  results = []
+  for name in names:
+    made = rows_of(name)
+    results += made
+    print(markdown_of(made), file=sys.stderr, flush=True)
+  print(markdown_of(results))
+  if json_path:
+    with open(json_path, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1, default=str)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--model", default="all", choices=["all", *models()])
   parser.add_argument("--json", help="also write the rows here")
   args = parser.parse_args()
-  names = list(models()) if args.model == "all" else [args.model]
-  results = []
-  for name in names:
-    results += rows(name)
-    print(markdown(results[-len(CAPACITIES):]), file=sys.stderr, flush=True)  # progress
-  print(markdown(results))
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=1, default=str)
+  print_rows(list(models()) if args.model == "all" else [args.model], rows, markdown,
+             args.json)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ BENCHMARKS = (
               ("-m", "benchmarks.bench_plan_quality"),
               "four models the tests do not use x three capacities on this CPU: the plan the "
               "guard settles on against the fastest plan that fits, every plan timed"),
+    Benchmark("target_quality", "For a target: of the plans that fit, the one estimated fastest",
+              ("-m", "benchmarks.bench_target_quality", "--model", "lm,lm512,mixer"),
+              "three models for v5e:1x1 x three capacities: the search's plan, and the plan "
+              "kept with `estimated_rivals=3`, against the plan libtpu's program estimates "
+              "fastest of every plan that fits"),
     Benchmark("main_job", "The README job's fit against one compile",
               ("-m", "benchmarks.bench_main_job", "--runs", "3"),
               "the README's main job on v5e:1x1 at 96 MiB, fitted with the plan cache on"),
