@@ -11,8 +11,9 @@ times its trip count, a `conditional` its dearest branch. Asynchronous transfers
 run beside the computation that issues them: each is priced once, by the bytes it moves,
 and a computation costs the larger of its compute and its transfers. Priced as blocking,
 twice each, they had put an unsplit step without remat 2.8x behind full remat on v5e
-(bench_target_quality's lm: 9.5 ms against 3.4), where the two compute the same within 5%.
-An estimate, and said to be one.
+(bench_target_quality's lm: 9.5 ms against 3.4), where the two compute within 2%. A
+collective's bytes are priced at HBM bandwidth, which ICI does not reach: across chips the
+figure is low. An estimate, and said to be one.
 
 The text is untrusted in the sense that matters here: it is parsed in one pass, in time
 linear in its length, and whatever it does not recognise costs nothing rather than raising.
