@@ -10,8 +10,8 @@ dots / nothing; every microbatch count to 16), each compile's peak and estimated
 time read. Then at 70%, 50% and 35% of the donated step's peak the guard fits the step from
 scratch for the target, as a user's preflight would, once as it is and once with
 `estimated_rivals=3`. A row prints the plan the search chose, the plan estimated fastest of
-those that fit, chosen ÷ fastest by the estimates, the fit's seconds against one compile,
-and the same for the plan kept after the rivals. A benchmark, not a test: the seconds are
+those that fit, chosen ÷ fastest by the estimates, the fit's seconds against one compile
+of the fastest plan, and the same for the plan kept after the rivals. A benchmark, not a test: the seconds are
 this machine's.
 """
 
@@ -152,7 +152,7 @@ def _fit(step, state, batch, target: str, capacity: int, fits: dict, best: float
 
 def markdown(results: list[dict]) -> str:
   lines = ["| model | capacity | plans that fit | searched (flops) | estimated fastest that fits "
-           f"| searched ÷ fastest | fit s / one compile s | kept with estimated_rivals={RIVALS} "
+           f"| searched ÷ fastest | fit s / one compile of the fastest s | kept with estimated_rivals={RIVALS} "
            "| kept ÷ fastest | fit s |", "|---|---|---|---|---|---|---|---|---|---|"]
   ratio = lambda r: f"{r:.3f}" if r else "?"  # noqa: E731
   for r in results:

@@ -48,9 +48,10 @@ _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 _CONSTANT = re.compile(r"(-?\d+)\)")  # a constant's operand text, after "constant("
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                    "after-all", "partition-id", "replica-id", "iota", "opt-barrier"})
-# The start of an asynchronous pair costs nothing: its done is priced, by what it moves.
+# The start of an asynchronous transfer costs nothing: its done is priced, by what it moves.
+# An `async-done` costs nothing either: its `async-start` prices the computation it calls.
 _ASYNC_START = frozenset({"copy-start", "slice-start", "all-gather-start", "all-reduce-start",
-                          "collective-permute-start", "send", "recv"})
+                          "collective-permute-start", "send", "recv", "async-done"})
 _ASYNC_DONE = frozenset({"copy-done", "slice-done", "all-gather-done", "all-reduce-done",
                          "collective-permute-done", "send-done", "recv-done"})
 # Custom calls that move nothing: libtpu's bitcast of buffers laid out side by side.
@@ -184,7 +185,7 @@ class _Pricer:
 
   def _overlapped(self, ins: _Instruction, shapes: dict[str, str]
                   ) -> tuple[float, float, int, int]:
-    if ins.opcode in _ASYNC_START or ins.opcode == "async-done":  # its start is priced
+    if ins.opcode in _ASYNC_START:
       return (0.0, 0.0, 0, 0)
     if ins.opcode in _ASYNC_DONE:
       return (0.0, _array_bytes(ins.shape)[0] / self.speed.hbm_bytes_per_second, 0, 1)
