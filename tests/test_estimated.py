@@ -31,14 +31,18 @@ def _field(chosen, failing=()):
                           frozenset({chosen}), frozenset(failing))
 
 
-def _compiles(table):
-  """A fake compile: (fits, seconds) from `table`, each plan compiled once."""
+def _compiles(table, rounds=None):
+  """Fake compiles: (fits, seconds) from `table`, each plan compiled once; each call's
+  plans (a round) appended to `rounds` if given."""
   made = []
-  def compile_plan(plan):
-    assert plan not in made, f"{plan.describe()} compiled twice"
-    made.append(plan)
-    return table.get(plan, (False, None))
-  return compile_plan, made
+  def compile_plans(plans):
+    if rounds is not None:
+      rounds.append(list(plans))
+    for plan in plans:
+      assert plan not in made, f"{plan.describe()} compiled twice"
+      made.append(plan)
+    return [table.get(plan, (False, None)) for plan in plans]
+  return compile_plans, made
 
 
 def test_a_rival_estimated_faster_is_kept_and_every_one_compiled_is_reported():
@@ -77,12 +81,34 @@ def test_no_estimate_of_the_choice_compiles_nothing():
 
 def test_rivals_stop_at_the_time_budget_and_say_so():
   made = []
-  def compile_plan(plan):
-    made.append(plan)
-    return (True, 0.2) if len(made) == 1 else None  # the budget pays for one
-  out = estimated_lib.compare(_field(at(DOTS, 4)), at(DOTS, 4), 0.1, compile_plan, 5)
+  def compile_plans(plans):
+    made.extend(plans)
+    return [(True, 0.2) if len(made) == 1 else None]  # the budget pays for one
+  out = estimated_lib.compare(_field(at(DOTS, 4)), at(DOTS, 4), 0.1, compile_plans, 5)
   assert len(made) == 2 and len(out.estimates) == 2  # the one refused is not reported
   assert out.winner == at(DOTS, 4) and "time budget" in out.why
+  # side by side, a round the budget stopped in the middle of: what finished is reported
+  def in_a_round(plans):
+    return [(True, 0.05), None, (True, 0.01)][:len(plans)]
+  out = estimated_lib.compare(_field(at(DOTS, 4)), at(DOTS, 4), 0.1, in_a_round, 5, width=3)
+  assert len(out.estimates) == 2 and out.winner == out.estimates[1].plan
+  assert "time budget" in out.why
+
+
+def test_side_by_side_each_round_is_the_best_so_fars_nearest_neighbours():
+  chosen = at(DONATE, 4)
+  rounds = []
+  compile_plans, made = _compiles({at(DONATE, 8): (True, 0.080), at(DOTS, 1): (True, 0.050),
+                                   at(NOTHING, 1): (True, 0.040)}, rounds)
+  out = estimated_lib.compare(_field(chosen, [DONATE, at(DONATE, 2)]), chosen, 0.070,
+                              compile_plans, max_rivals=4, width=2)
+  # twice the microbatches and heavier remat at once; then around the faster of the two
+  assert rounds == [[at(DONATE, 8), at(DOTS, 1)], [at(DOTS, 2), at(NOTHING, 1)]]
+  assert out.winner == at(NOTHING, 1) and len(out.estimates) == 5
+  rounds.clear()
+  compile_plans, _ = _compiles({}, rounds)
+  estimated_lib.compare(_field(chosen), chosen, 0.070, compile_plans, max_rivals=3, width=2)
+  assert [len(r) for r in rounds] == [2, 1]  # never past max_rivals
 
 
 def test_rivals_stop_at_max_rivals():

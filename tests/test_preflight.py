@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from hbm_guard._src import estimated as estimated_lib
+
 pytestmark = pytest.mark.real_compiler
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,14 +39,36 @@ def test_every_target_fits_exits_0_with_a_table():
   code, out, err = _run("tests.helpers.preflight_factory:make", "--target", "v5e:2x2",
                         "--capacity", "3MiB")
   assert code == 0, err[-2000:]
-  assert out.splitlines()[0].split()[:3] == ["target", "fits", "compiles"]
-  assert "v5e:2x2" in out and "yes" in out
+  lines = out.splitlines()
+  assert lines[0].split()[:3] == ["target", "fits", "compiles"]
+  assert "step ms*" in lines[0]
+  assert lines[1].split()[:2] == ["v5e:2x2", "yes"]
+  end = lines[0].index("step ms*") + len("step ms*")
+  assert float(lines[1][end - 9:end]) > 0  # the program's estimate, in its column
+  assert lines[-1].startswith("* a step's time on the target, not timed: an estimate")
+  assert "--estimated-rivals N" in lines[-1]
+
+
+def test_rivals_compiled_for_the_target_are_listed_beside_the_plan_kept():
+  code, out, err = _run("tests.helpers.preflight_factory:make_layers", "--target", "v5e:1x1",
+                        "--capacity", "12MiB", "--max-class", "numerics",
+                        "--estimated-rivals", "1", "--json")
+  assert code == 0, err[-2000:]
+  (row,) = json.loads(out)
+  compared = row["compared"]
+  assert len(compared) == 2 and compared[0]["fits"]  # the search's choice, one rival
+  kept = next(c for c in compared if c["plan"] == row["plan"])
+  assert row["estimated_step_ms"] == pytest.approx(1000 * kept["estimated_seconds"], rel=1e-3)
+  fastest = min(1000 * c["estimated_seconds"] for c in compared if c["estimated_seconds"])
+  assert row["estimated_step_ms"] * (1 - estimated_lib.MARGIN) <= fastest
 
 
 @pytest.mark.parametrize("argv", [["tests.helpers.preflight_factory:nope", "--target", "v5e:1x1"],
                                   ["no_such_module:make", "--target", "v5e:1x1"],
                                   ["tests.helpers.preflight_factory:make", "--target", "v9z:1x1"],
-                                  ["tests.helpers.preflight_factory:make"]])
+                                  ["tests.helpers.preflight_factory:make"],
+                                  ["tests.helpers.preflight_factory:make", "--target", "v5e:1x1",
+                                   "--estimated-rivals", "-1"]])
 def test_usage_errors_exit_2(argv):
   code, _, err = _run(*argv)
   assert code == 2 and "Traceback" not in err

@@ -198,6 +198,7 @@ def _preflight(args, out: TextIO) -> int:
   targets.quiet_libtpu_on_cpu_host()
   from hbm_guard._src import guard as guard_lib  # pylint: disable=g-import-not-at-top
   from hbm_guard._src import preflight  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import report as report_lib  # pylint: disable=g-import-not-at-top
   try:
     for t in args.target:
       targets.Target.parse(t).devices()  # unknown topology, no libtpu, libtpu busy: usage
@@ -209,21 +210,41 @@ def _preflight(args, out: TextIO) -> int:
     print(f"hbm-guard preflight: {e}", file=sys.stderr)
     return 2
   rows = [preflight.check(step, tuple(step_args), t, capacity=args.capacity,
-                          max_class=args.max_class) for t in args.target]
+                          max_class=args.max_class, estimated_rivals=args.estimated_rivals)
+          for t in args.target]
   if args.json:
     print(json.dumps(rows, indent=2, default=str), file=out)
   else:
     print(f"{'target':<12} {'fits':<5} {'compiles':>8} {'peak':>11} {'capacity':>11} "
-          f"{'seconds':>8}  plan", file=out)
+          f"{'seconds':>8} {'step ms*':>9}  plan", file=out)
     for r in rows:
+      ms = r["estimated_step_ms"]
       print(f"{r['target']:<12} {'yes' if r['fits'] else 'NO':<5} {r['compiles']:>8} "
-            f"{_fmt(r['peak_bytes']):>11} {_fmt(r['capacity_bytes']):>11} {r['seconds']:>8}  "
+            f"{_fmt(r['peak_bytes']):>11} {_fmt(r['capacity_bytes']):>11} {r['seconds']:>8} "
+            f"{'-' if ms is None else f'{ms:.4g}':>9}  "
             f"{r['plan'] or r.get('error', '')[:150]}", file=out)
+      for i, c in enumerate(r["compared"]):
+        if c["plan"] != r["plan"]:
+          print(f"{'':<12} beside: {c['plan']}{' (searched)' if i == 0 else ''}: "
+                f"{report_lib.compared(c)}", file=out)
       for a in r["largest_allocations"]:
         print(f"{'':<12} largest: {_fmt(a['size_bytes'])} {a.get('shape') or ''} "
               f"{(a.get('what') or '')[:70]}{' at ' + a['source'] if a.get('source') else ''}",
               file=out)
+    if any(r["estimated_step_ms"] is not None for r in rows):
+      print("* a step's time on the target, not timed: " + report_lib.ESTIMATE_SOURCE
+            + ("" if args.estimated_rivals else
+               ". --estimated-rivals N compiles N plans near each and keeps the fastest"),
+            file=out)
   return 0 if all(r["fits"] for r in rows) else 1
+
+
+def _count(text: str) -> int:
+  """An argparse type: a count, 0 or more."""
+  value = int(text)
+  if value < 0:
+    raise ValueError(text)
+  return value
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
@@ -256,6 +277,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
   f.add_argument("--target", action="append", required=True, help="e.g. v5e:2x2; repeat")
   f.add_argument("--capacity", default=None, help="per device: bytes, 16GiB, or a device")
   f.add_argument("--max-class", default=None, choices=("exact", "numerics", "behaviour"))
+  f.add_argument("--estimated-rivals", type=_count, default=None, metavar="N",
+                 help="compile up to N plans near the search's choice for each target and "
+                      "keep the one its program estimates fastest (each costs a compile)")
   f.add_argument("--json", action="store_true", help="print a list of objects, one a target")
   try:
     args = parser.parse_args(argv)

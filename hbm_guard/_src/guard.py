@@ -68,6 +68,7 @@ class GuardedFunction:
     self._by_signature: dict[Hashable, steps_lib.PlanJit] = {}
     self._many_plans = False
     self._plan = options.plan or plan_lib.Plan()  # the latest fit's plan (a target's)
+    self._estimated: estimated_lib.Outcome | None = None  # the latest fit's rivals compared
     # The first call's jit only detects the new signature. It is never reused to run the
     # step: a jit whose first trace raised loses jax's C++ fast path for good.
     allowed: set = set()
@@ -83,6 +84,12 @@ class GuardedFunction:
   def attempts(self) -> list[climb_lib.Attempt]:
     """Every compile so far, of every input signature, in order."""
     return self._ledger.attempts
+
+  @property
+  def estimated(self) -> estimated_lib.Outcome | None:
+    """For a target fitted with `estimated_rivals`: the plans the latest fit compiled and
+    compared by their estimated step times (the search's choice first); else None."""
+    return self._estimated
 
   @property
   def report_path(self) -> str | None:
@@ -123,7 +130,7 @@ class GuardedFunction:
       fit = fit_lib.Fit(self._step, self._backend, self.options, self._cache, self._ledger,
                         key, args, kwargs)
       result = fit.run(start, failed_run)
-      compared = self._compare_estimates(fit, result)
+      compared = self._estimated = self._compare_estimates(fit, result)
       if compared is not None:
         result = dataclasses.replace(result, plan=compared.winner)
       entry = self._step.plan_jit(self._backend.runnable(result.plan), args)
@@ -152,18 +159,22 @@ class GuardedFunction:
     if field is None or not result.attempts:
       return None
     chosen = result.attempts[-1].estimate
-    def compile_plan(plan):
-      trial = fit.compile_rival(plan)
-      if trial is None:  # past the time budget
-        return None
-      fits = trial.outcome is compile_lib.Outcome.FITS
-      seconds = trial.estimate.seconds if fits and trial.estimate is not None else None
-      logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
-                   result.plan.describe(), trial.outcome,
-                   "" if seconds is None else f", {1000 * seconds:.2f} ms a step")
-      return fits, seconds
+    def compile_plans(plans):
+      out = []
+      for plan, trial in zip(plans, fit.compile_rivals(plans)):
+        if trial is None:  # past the time budget
+          out.append(None)
+          continue
+        fits = trial.outcome is compile_lib.Outcome.FITS
+        seconds = trial.estimate.seconds if fits and trial.estimate is not None else None
+        logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
+                     result.plan.describe(), trial.outcome,
+                     "" if seconds is None else f", {1000 * seconds:.2f} ms a step")
+        out.append((fits, seconds))
+      return out
     outcome = estimated_lib.compare(field, result.plan, chosen and chosen.seconds,
-                                    compile_plan, self.options.estimated_rivals)
+                                    compile_plans, self.options.estimated_rivals,
+                                    width=fit.rival_width)
     if outcome.winner != result.plan:
       logging.info("hbm_guard: %s: %s in place of %s: %s", self._step.name,
                    outcome.winner.describe(), result.plan.describe(), outcome.why)

@@ -32,11 +32,14 @@ def load_factory(spec: str):
 
 
 def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
-          capacity: str | int | None = None, max_class: str | None = None) -> dict[str, Any]:
+          capacity: str | int | None = None, max_class: str | None = None,
+          estimated_rivals: int | None = None) -> dict[str, Any]:
   """Fits `step` for `target` without running it; a row of the preflight table."""
   options: dict[str, Any] = {"target": target, "capacity": capacity}
   if max_class:
     options["max_class"] = max_class
+  if estimated_rivals is not None:
+    options["estimated_rivals"] = estimated_rivals
   guarded = step.replace(**options)
   t0 = time.perf_counter()
   row: dict[str, Any] = {"target": target}
@@ -63,5 +66,21 @@ def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
   failed = next((a for a in reversed(attempts) if a.record is not None), None)
   row["largest_allocations"] = (report_lib.largest_allocations(failed.record.to_dict(), 3)
                                 if failed else [])
+  row["estimated_step_ms"] = _estimated_ms(guarded) if row["fits"] else None
+  compared = guarded.estimated
+  row["compared"] = compared.to_dict()["plans"] if compared is not None else []
   row["report"] = guarded.report_path
   return row
+
+
+def _estimated_ms(guarded: guard_lib.GuardedFunction) -> float | None:
+  """The plan kept's estimated step time on the target, from its compiled program (the
+  rivals' comparison, else the compile that fitted it); None where it gave none."""
+  compared = guarded.estimated
+  if compared is not None:
+    seconds = next((e.seconds for e in compared.estimates if e.plan == compared.winner), None)
+  else:
+    fitted = next((a for a in reversed(guarded.attempts)
+                   if a.outcome is compile_lib.Outcome.FITS and a.plan == guarded.plan), None)
+    seconds = fitted.estimate.seconds if fitted and fitted.estimate else None
+  return None if seconds is None else round(1000 * seconds, 3)
