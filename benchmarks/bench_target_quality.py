@@ -4,7 +4,7 @@
 
 Where a step only compiles for a target (`target=`, preflight) nothing runs, so "fastest" is
 libtpu's own estimate of each compiled program (`step_time`: its per-op cycles, loops times
-their trip counts). bench_plan_quality's four models at a TPU's batch, and bench_scale's LM
+their trip counts). bench_plan_quality's models at a TPU's batch, and bench_scale's LM
 at two layers, are compiled under every plan of the space (donation on; remat policy none /
 dots / nothing; every microbatch count to 16), each compile's peak and estimated step
 time read. Then at 70%, 50% and 35% of the donated step's peak the guard fits the step from

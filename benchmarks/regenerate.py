@@ -36,7 +36,7 @@ class Benchmark:
 BENCHMARKS = (
     Benchmark("plan_quality", "Of the plans that fit, the fastest",
               ("-m", "benchmarks.bench_plan_quality"),
-              "four models the tests do not use x three capacities on this CPU: the plan the "
+              "five models the tests do not use x three capacities on this CPU: the plan the "
               "guard settles on against the fastest plan that fits, every plan timed"),
     Benchmark("target_quality", "For a target: of the plans that fit, the one estimated fastest",
               ("-m", "benchmarks.bench_target_quality", "--model", "lm,lm512,mixer"),

@@ -301,41 +301,22 @@ class Fit:
                                budget_lib.Spend.COMPILE)
     return self._paid(plan, trial)
 
-  def compile_rival(self, plan: plan_lib.Plan) -> compile_lib.Trial | None:
-    """A rival's compile at the capacity (`estimated`), counted against the budget and
-    said in the progress; None where the budget cannot pay for it."""
-    try:
-      self.budget.check(budget_lib.Spend.COMPILE)
-    except budget_lib.OutOfTime:
-      return None
-    return self._paid(plan, self.backend.compile(plan, self.key, self.args, self.kwargs))
-
-  @property
-  def rival_width(self) -> int:
-    """How many rivals compile side by side (`compile_rivals`): the probes' workers where
-    the backend stages compiles, else one."""
-    return _probe_workers() if self.backend.stages else 1
+  rival_width = property(lambda self: _probe_workers(), doc="Rivals a round: as probes.")
 
   def compile_rivals(self, plans: Sequence[plan_lib.Plan]
                      ) -> list[compile_lib.Trial | None]:
-    """Rivals' compiles at the capacity (`estimated`), side by side in a pool of their
-    own where the backend stages them (each lowered here); None for each the budget
-    cannot pay for or wait for. Those still running when the budget stops are left to
-    finish on their own, as a race's are."""
-    if len(plans) < 2 or not self.backend.stages:
-      out: list[compile_lib.Trial | None] = []
-      for plan in plans:
-        out.append(None if out and out[-1] is None else self.compile_rival(plan))
-      return out
+    """A target's rivals compiled at the capacity (`estimated`), side by side (each
+    lowered here; a round of `rival_width` takes one compile's wall where the host has the
+    cores); None for each the budget cannot pay or wait for (left to finish on its own)."""
     try:
-      self.budget.check(budget_lib.Spend.COMPILE)  # a round takes about one compile's wall
+      self.budget.check(budget_lib.Spend.COMPILE)
     except budget_lib.OutOfTime:
       return [None] * len(plans)
     pool = concurrent.futures.ThreadPoolExecutor(len(plans), thread_name_prefix="hbm_guard-rival")
     try:
       futures = [pool.submit(self.backend.staged_compile(p, self.key, self.args, self.kwargs))
                  for p in plans]
-      out = []
+      out: list[compile_lib.Trial | None] = []
       for plan, future in zip(plans, futures):
         try:
           out.append(self._paid(plan, self.budget.wait(future, budget_lib.Spend.COMPILE)))
