@@ -230,11 +230,13 @@ def main():
           f"{r['ratio']:.2f}; peak {hbm_guard.format_bytes(r['peak'])} per chip", flush=True)
   if r.get("estimate") is not None:
     e = r["estimate"]
-    print(f"estimated step time on the target: {1000 * e.seconds:.1f} ms ({e.by_cycles} ops by "
-          f"libtpu's cycles, {e.by_roofline} by the roofline; read in {e.read_seconds:.1f} s "
-          "of the fit)", flush=True)
+    whose = " (the search's plan)" if r["compared"] else ""
+    print(f"estimated step time on the target{whose}: {1000 * e.seconds:.1f} ms "
+          f"({e.by_cycles} ops by libtpu's cycles, {e.by_roofline} by the roofline; read in "
+          f"{e.read_seconds:.1f} s of the fit)", flush=True)
   for c in r["compared"]:
-    print(f"  compared: {c['plan']}: {report_lib.compared(c)}", flush=True)
+    kept = " (kept)" if c["plan"] == r["plan"] else ""
+    print(f"  compared: {c['plan']}{kept}: {report_lib.compared(c)}", flush=True)
   if not a.skip_halving:
     h = halving(s, a.target)
     print(f"batch halving: {h['compiles']} compiles, {h['seconds']:.0f} s, ends at batch "

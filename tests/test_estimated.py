@@ -31,6 +31,10 @@ def _field(chosen, failing=()):
                           frozenset({chosen}), frozenset(failing))
 
 
+def _chosen(plan, seconds):
+  return estimated_lib.Estimated(plan, True, seconds)
+
+
 def _compiles(table, rounds=None):
   """Fake compiles: (fits, seconds) from `table`, each plan compiled once; each call's
   plans (a round) appended to `rounds` if given."""
@@ -41,7 +45,7 @@ def _compiles(table, rounds=None):
     for plan in plans:
       assert plan not in made, f"{plan.describe()} compiled twice"
       made.append(plan)
-    return [table.get(plan, (False, None)) for plan in plans]
+    return [estimated_lib.Estimated(plan, *table.get(plan, (False, None))) for plan in plans]
   return compile_plans, made
 
 
@@ -50,11 +54,11 @@ def test_a_rival_estimated_faster_is_kept_and_every_one_compiled_is_reported():
   compile_plan, made = _compiles({at(DONATE, 8): (True, 0.080), at(DOTS, 1): (True, 0.050),
                                   at(NOTHING, 1): (True, 0.040)})
   failed = [DONATE, at(DONATE, 2)]  # the search's own failures: never compiled again
-  out = estimated_lib.compare(_field(chosen, failed), chosen, 0.070, compile_plan,
+  out = estimated_lib.compare(_field(chosen, failed), _chosen(chosen, 0.070), compile_plan,
                               max_rivals=4)
   assert made[0] == at(DONATE, 8)  # twice the microbatches first, as the tournament's
   assert out.winner == at(NOTHING, 1)
-  assert out.estimates[0] == estimated_lib.Estimated(chosen, True, 0.070)
+  assert out.estimates[0] == _chosen(chosen, 0.070) and out.kept.plan == at(NOTHING, 1)
   # then heavier remat at the fewest count, and on from the best so far
   assert made[1:] == [at(DOTS, 1), at(DOTS, 2), at(NOTHING, 1)]
   assert [e.plan for e in out.estimates[1:]] == made
@@ -67,7 +71,7 @@ def test_no_rival_within_the_margin_or_failing_displaces_the_choice():
   chosen = at(DONATE, 2)
   slower = 0.1 * (1 - estimated_lib.MARGIN / 2)  # faster, but by less than the margin
   compile_plan, made = _compiles({at(DONATE, 4): (True, slower)})
-  out = estimated_lib.compare(_field(chosen), chosen, 0.1, compile_plan, max_rivals=4)
+  out = estimated_lib.compare(_field(chosen), _chosen(chosen, 0.1), compile_plan, max_rivals=4)
   assert out.winner == chosen and "no rival" in out.why
   assert all(not e.fits for e in out.estimates[2:])  # the rest did not fit: no estimate
   assert all(e.seconds is None for e in out.estimates if not e.fits)
@@ -75,7 +79,8 @@ def test_no_rival_within_the_margin_or_failing_displaces_the_choice():
 
 def test_no_estimate_of_the_choice_compiles_nothing():
   compile_plan, made = _compiles({})
-  out = estimated_lib.compare(_field(DONATE), DONATE, None, compile_plan, max_rivals=5)
+  out = estimated_lib.compare(_field(DONATE), _chosen(DONATE, None), compile_plan,
+                              max_rivals=5)
   assert out.winner == DONATE and not made
 
 
@@ -83,14 +88,18 @@ def test_rivals_stop_at_the_time_budget_and_say_so():
   made = []
   def compile_plans(plans):
     made.extend(plans)
-    return [(True, 0.2) if len(made) == 1 else None]  # the budget pays for one
-  out = estimated_lib.compare(_field(at(DOTS, 4)), at(DOTS, 4), 0.1, compile_plans, 5)
+    return [estimated_lib.Estimated(plans[0], True, 0.2) if len(made) == 1
+            else None]  # the budget pays for one
+  out = estimated_lib.compare(_field(at(DOTS, 4)), _chosen(at(DOTS, 4), 0.1), compile_plans, 5)
   assert len(made) == 2 and len(out.estimates) == 2  # the one refused is not reported
   assert out.winner == at(DOTS, 4) and "time budget" in out.why
   # side by side, a round the budget stopped in the middle of: what finished is reported
   def in_a_round(plans):
-    return [(True, 0.05), None, (True, 0.01)][:len(plans)]
-  out = estimated_lib.compare(_field(at(DOTS, 4)), at(DOTS, 4), 0.1, in_a_round, 5, width=3)
+    made = [estimated_lib.Estimated(plans[0], True, 0.05), None,
+            estimated_lib.Estimated(plans[-1], True, 0.01)]
+    return made[:len(plans)]
+  out = estimated_lib.compare(_field(at(DOTS, 4)), _chosen(at(DOTS, 4), 0.1), in_a_round, 5,
+                              width=3)
   assert len(out.estimates) == 2 and out.winner == out.estimates[1].plan
   assert "time budget" in out.why
 
@@ -100,20 +109,22 @@ def test_side_by_side_each_round_is_the_best_so_fars_nearest_neighbours():
   rounds = []
   compile_plans, made = _compiles({at(DONATE, 8): (True, 0.080), at(DOTS, 1): (True, 0.050),
                                    at(NOTHING, 1): (True, 0.040)}, rounds)
-  out = estimated_lib.compare(_field(chosen, [DONATE, at(DONATE, 2)]), chosen, 0.070,
+  out = estimated_lib.compare(_field(chosen, [DONATE, at(DONATE, 2)]), _chosen(chosen, 0.070),
                               compile_plans, max_rivals=4, width=2)
   # twice the microbatches and heavier remat at once; then around the faster of the two
   assert rounds == [[at(DONATE, 8), at(DOTS, 1)], [at(DOTS, 2), at(NOTHING, 1)]]
   assert out.winner == at(NOTHING, 1) and len(out.estimates) == 5
   rounds.clear()
   compile_plans, _ = _compiles({}, rounds)
-  estimated_lib.compare(_field(chosen), chosen, 0.070, compile_plans, max_rivals=3, width=2)
+  estimated_lib.compare(_field(chosen), _chosen(chosen, 0.070), compile_plans, max_rivals=3,
+                        width=2)
   assert [len(r) for r in rounds] == [2, 1]  # never past max_rivals
 
 
 def test_rivals_stop_at_max_rivals():
   compile_plan, made = _compiles({})
-  estimated_lib.compare(_field(at(DOTS, 4)), at(DOTS, 4), 0.1, compile_plan, max_rivals=2)
+  estimated_lib.compare(_field(at(DOTS, 4)), _chosen(at(DOTS, 4), 0.1), compile_plan,
+                        max_rivals=2)
   assert len(made) == 2
 
 
@@ -177,6 +188,7 @@ def test_a_target_compares_its_rivals_by_their_compiled_programs(tmp_path):
   assert 2 <= len(compared) <= 3  # the search's choice, then up to two rivals
   chosen = compared[0]
   assert chosen["fits"] and chosen["estimated_seconds"] > 0
+  assert all(0 < c["peak_bytes"] <= 12 << 20 for c in compared if c["fits"])
   kept = min((c for c in compared if c["estimated_seconds"]),
              key=lambda c: c["estimated_seconds"])
   margin = 1 - estimated_lib.MARGIN

@@ -59,6 +59,9 @@ def test_rivals_compiled_for_the_target_are_listed_beside_the_plan_kept():
   assert len(compared) == 2 and compared[0]["fits"]  # the search's choice, one rival
   kept = next(c for c in compared if c["plan"] == row["plan"])
   assert row["estimated_step_ms"] == pytest.approx(1000 * kept["estimated_seconds"], rel=1e-3)
+  # the plan kept's own peak, within the capacity, and every compile paid for counted
+  assert row["peak_bytes"] == kept["peak_bytes"] and 0 < row["peak_bytes"] <= 12 << 20
+  assert row["compiles"] >= len(compared)
   fastest = min(1000 * c["estimated_seconds"] for c in compared if c["estimated_seconds"])
   assert row["estimated_step_ms"] * (1 - estimated_lib.MARGIN) <= fastest
 

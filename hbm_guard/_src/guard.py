@@ -158,23 +158,18 @@ class GuardedFunction:
     field = fit.rivals(result, estimated=True) if self.options.estimated_rivals else None
     if field is None or not result.attempts:
       return None
-    chosen = result.attempts[-1].estimate
     def compile_plans(plans):
       out = []
       for plan, trial in zip(plans, fit.compile_rivals(plans)):
-        if trial is None:  # past the time budget
-          out.append(None)
-          continue
-        fits = trial.outcome is compile_lib.Outcome.FITS
-        seconds = trial.estimate.seconds if fits and trial.estimate is not None else None
-        logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
-                     result.plan.describe(), trial.outcome,
-                     "" if seconds is None else f", {1000 * seconds:.2f} ms a step")
-        out.append((fits, seconds))
+        out.append(None if trial is None else estimated_lib.Estimated.of(plan, trial))
+        if trial is not None:
+          logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
+                       result.plan.describe(), trial.outcome, "" if out[-1].seconds is None
+                       else f", {1000 * out[-1].seconds:.2f} ms a step")
       return out
-    outcome = estimated_lib.compare(field, result.plan, chosen and chosen.seconds,
-                                    compile_plans, self.options.estimated_rivals,
-                                    width=fit.rival_width)
+    chosen = estimated_lib.Estimated.of(result.plan, result.attempts[-1])
+    outcome = estimated_lib.compare(field, chosen, compile_plans,
+                                    self.options.estimated_rivals, width=fit.rival_width)
     if outcome.winner != result.plan:
       logging.info("hbm_guard: %s: %s in place of %s: %s", self._step.name,
                    outcome.winner.describe(), result.plan.describe(), outcome.why)

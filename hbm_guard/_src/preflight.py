@@ -55,19 +55,24 @@ def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
   row["seconds"] = round(time.perf_counter() - t0, 1)
   attempts = guarded.attempts
   last = attempts[-1] if attempts else None
+  compared = guarded.estimated
   row["plan"] = guarded.plan.describe() if row["fits"] else None
-  row["compiles"] = len(attempts)
-  row["failed_compiles"] = sum(a.outcome is not compile_lib.Outcome.FITS for a in attempts)
+  rivals = compared.estimates[1:] if compared is not None else ()
+  row["compiles"] = len(attempts) + len(rivals)  # every compile the fit paid for
+  row["failed_compiles"] = (sum(a.outcome is not compile_lib.Outcome.FITS for a in attempts)
+                            + sum(not e.fits for e in rivals))
   row["probes"] = sum(len(a.planning.probes) for a in attempts if a.planning is not None)
   row["capacity_bytes"] = guarded.options.budget
-  row["peak_bytes"] = ((last.memory or {}).get("peak")
-                       if last and last.outcome is compile_lib.Outcome.FITS
-                       else (last.record.required_bytes if last and last.record else None))
+  if compared is not None and row["fits"]:  # the plan kept may be a rival: its own peak
+    row["peak_bytes"] = compared.kept.peak_bytes
+  else:
+    row["peak_bytes"] = ((last.memory or {}).get("peak")
+                         if last and last.outcome is compile_lib.Outcome.FITS
+                         else (last.record.required_bytes if last and last.record else None))
   failed = next((a for a in reversed(attempts) if a.record is not None), None)
   row["largest_allocations"] = (report_lib.largest_allocations(failed.record.to_dict(), 3)
                                 if failed else [])
   row["estimated_step_ms"] = _estimated_ms(guarded) if row["fits"] else None
-  compared = guarded.estimated
   row["compared"] = compared.to_dict()["plans"] if compared is not None else []
   row["report"] = guarded.report_path
   return row
@@ -78,7 +83,7 @@ def _estimated_ms(guarded: guard_lib.GuardedFunction) -> float | None:
   rivals' comparison, else the compile that fitted it); None where it gave none."""
   compared = guarded.estimated
   if compared is not None:
-    seconds = next((e.seconds for e in compared.estimates if e.plan == compared.winner), None)
+    seconds = compared.kept.seconds
   else:
     fitted = next((a for a in reversed(guarded.attempts)
                    if a.outcome is compile_lib.Outcome.FITS and a.plan == guarded.plan), None)

@@ -263,10 +263,13 @@ def estimated_ms(attempt: dict[str, Any]) -> float | None:
 
 def compared(entry: dict[str, Any]) -> str:
   """What the report says of one plan `estimated_rivals` compiled."""
+  if not entry.get("fits"):
+    return "does not fit"
   ms = _ms(entry.get("estimated_seconds"))
-  if ms is not None:
-    return f"estimated {ms:.2f} ms a step"
-  return "fits, no estimate" if entry.get("fits") else "does not fit"
+  peak = entry.get("peak_bytes")
+  peak = (f", peak {diagnose_lib.format_bytes(peak)}" if isinstance(peak, int)
+          and not isinstance(peak, bool) and peak >= 0 else "")
+  return (f"estimated {ms:.2f} ms a step" if ms is not None else "fits, no estimate") + peak
 
 
 def made_as(probe: dict[str, Any]) -> str:
