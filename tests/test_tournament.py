@@ -151,6 +151,40 @@ def test_the_faster_rival_wins_and_the_chain_goes_on_from_it():
   assert timed[at(DONATE, 8)] == tournament_lib.STEPS_EACH
 
 
+class _Waited(int):
+  """A step's output that notes when the tournament waits for it."""
+  log: list
+
+  def block_until_ready(self):
+    self.log.append(int(self))
+    return self
+
+
+def test_the_step_before_each_timed_step_is_waited_for():
+  # a step not waited for is still running when the next one's clock starts: its time fell
+  # on the incumbent's first timed step (the rival's untimed first run, on a real device)
+  waited, ran = [], []
+  speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 1.0}
+  clock, settled = _Clock(speed), []
+  def entry(plan):
+    def run(args, kwargs):
+      clock.running = plan
+      ran.append(plan)
+      out = _Waited(args[0] + 1)  # the step's number, from 1
+      out.log = waited
+      return out
+    return run
+  t = tournament_lib.Tournament(_one_family(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2),
+                                entry, lambda p: True, settled.append, max_rivals=1,
+                                clock=clock)
+  _run(t, settled)
+  assert settled and settled[0].timings[1].plan == at(DONATE, 4)
+  warm = ran.index(at(DONATE, 4)) + 1  # the rival's first run: untimed
+  timed = 2 * tournament_lib.STEPS_EACH  # then one round, each plan in turn
+  assert waited == list(range(warm, warm + timed + 1))
+  assert warm > tournament_lib.SETTLING_STEPS + 1  # the incumbent's steps before: not waited
+
+
 def test_a_rival_within_the_noise_does_not_displace_the_incumbent():
   speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 0.99}
   t, _, settled = _tournament(speed, _one_family(at(DONATE, 2), counts=(1, 2, 4)), at(DONATE, 2))

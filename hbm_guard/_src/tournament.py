@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import enum
 import statistics
 import threading
 import time
@@ -38,6 +39,15 @@ STEPS_EACH = 4  # timed steps of each of the two plans in a round, alternating
 # a smoke run) pays for no rival.
 SETTLING_STEPS = 5
 MARGIN = 0.03  # a rival must be this much faster (median against median) to win
+
+
+class _Kind(enum.Enum):
+  """How a step of the schedule runs."""
+  FREE = "free"  # not waited for: the user's own pace
+  WARM = "warm"  # a rival's first run, waited for but not timed: the next step's clock
+  #                must start with nothing queued before it (the queued steps' time is no
+  #                one's, and fell on the incumbent's first timed step)
+  TIMED = "timed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +97,7 @@ class Tournament:
     self._tried = frozenset({program(incumbent)})
     self._rival: Plan | None = None
     self._compiling: concurrent.futures.Future | None = None
-    self._schedule: collections.deque[tuple[Plan, bool]] = collections.deque()
+    self._schedule: collections.deque[tuple[Plan, _Kind]] = collections.deque()
     self._round: dict[Plan, list[float]] = collections.defaultdict(list)
     self._seconds: dict[Plan, list[float]] = collections.defaultdict(list)
     self._done = False
@@ -97,12 +107,13 @@ class Tournament:
 
   def __call__(self, args, kwargs):
     with self._lock:
-      plan, timed = self._next()
+      plan, kind = self._next()
       run = self._runs[program(plan)]
+    timed = kind is _Kind.TIMED
     t0 = self._clock()
     try:
       out = run(args, kwargs)
-      if timed:
+      if kind is not _Kind.FREE:
         out = jax.block_until_ready(out)
     except jax.errors.JaxRuntimeError as e:
       if plan == self._incumbent or not self._recoverable(e, args):
@@ -124,23 +135,23 @@ class Tournament:
 
   # -- the schedule ------------------------------------------------------------------------
 
-  def _next(self) -> tuple[Plan, bool]:
-    """The plan this step runs, and whether it is timed."""
+  def _next(self) -> tuple[Plan, _Kind]:
+    """The plan this step runs, and how."""
     if self._schedule:
       return self._schedule.popleft()
     if self._untimed > 0:
       self._untimed -= 1
-      return self._incumbent, False
+      return self._incumbent, _Kind.FREE
     if self._compiling is None:
       self._start_rival()
     elif self._compiling.done():
       fits = self._read_rival()
       if fits:
         rival = self._rival
-        self._schedule.extend([(rival, False)] + [(p, True) for _ in range(STEPS_EACH)
-                                                  for p in (self._incumbent, rival)])
+        self._schedule.extend([(rival, _Kind.WARM)] + [
+            (p, _Kind.TIMED) for _ in range(STEPS_EACH) for p in (self._incumbent, rival)])
         return self._schedule.popleft()
-    return self._incumbent, False  # while a rival compiles, or before the next
+    return self._incumbent, _Kind.FREE  # while a rival compiles, or before the next
 
   def _start_rival(self) -> None:
     rival = (rivals_lib.next_rival(self._field, self._incumbent, self._tried)
@@ -191,7 +202,7 @@ class Tournament:
     faster = theirs < (1 - MARGIN) * mine
     if faster and not self._confirming:
       self._confirming = True  # the second round leads with the incumbent's rival
-      self._schedule.extend((p, True) for _ in range(STEPS_EACH)
+      self._schedule.extend((p, _Kind.TIMED) for _ in range(STEPS_EACH)
                             for p in (self._rival, self._incumbent))
       return
     loser = rival
