@@ -136,6 +136,12 @@ def test_a_targets_field_counts_only_compiles_as_fits_and_probes_over_the_capaci
   f = rivals_lib.field(state, at(DONATE, 4), fams, (1, 2, 4, 8), estimated=True)
   assert f.fitting == {at(DONATE, 4)}  # a probe's 600 is not a compile's
   assert at(DONATE, 2) in f.failing
+  # a probe's own figure under the capacity may fit, whatever the search's scale predicts:
+  # the figure reads below the real need, so only a figure over the capacity rules a plan out
+  state = dataclasses.replace(state, scale=1.3, needs={at(DONATE, 2): 900, at(DONATE, 1): 1100})
+  f = rivals_lib.field(state, at(DONATE, 4), fams, (1, 2, 4, 8), estimated=True)
+  assert not state.fits(900) and at(DONATE, 2) not in f.failing
+  assert at(DONATE, 1) in f.failing
   # a failed compile bounds its family's counts: 368M's unsplit 81 GiB rules out 2 and 4
   gib = 1 << 30
   state = state_lib.SearchState(capacity=int(15.75 * gib), exact=False, state_bytes=5 * gib,

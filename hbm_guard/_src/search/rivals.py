@@ -37,8 +37,11 @@ def field(state: SearchState, chosen: Plan, families: Sequence[Plan],
           counts: Sequence[int], *, estimated: bool = False) -> Field | None:
   """The field around `chosen`; None where `chosen` is not one of the searched families,
   or its figures are not a full compile's (a target: its probes are estimates) unless
-  `estimated`: then only compiles say a plan fits, and a probe predicting a plan does not
-  counts as its failure (each rival is a compile: none is spent on a likely failure)."""
+  `estimated`: then only compiles say a plan fits, and a probe whose own figure is over
+  the capacity counts as its failure (each rival is a compile: none is spent on a sure
+  failure). Its figure, not the search's scaled prediction: libtpu's early figure reads
+  0.67-0.95 of the real need, so the scale that keeps the search's first compile safe hid
+  the estimated fastest from the rivals (full remat unsplit, the lm at 35%)."""
   if model.family_of(chosen) not in {program(f) for f in families}:
     return None
   if state.exact:
@@ -47,7 +50,7 @@ def field(state: SearchState, chosen: Plan, families: Sequence[Plan],
   elif estimated:
     fitting = set()
     failing = set(state.failed) | {p for p, n in state.needs.items()
-                                   if n is not None and not state.fits(n)}
+                                   if n is not None and n > state.capacity}
     # and what a failed compile rules out (368M: no remat at 2 and 4 microbatches, bounded
     # at 41 and 23 GiB of 15.75 by the unsplit 81 GiB, compiled 54 s to say no)
     failing |= {model.at(program(f), k) for f in families for k in counts
