@@ -161,11 +161,14 @@ class GuardedFunction:
     def compile_plans(plans):
       out = []
       for plan, trial in zip(plans, fit.compile_rivals(plans)):
-        out.append(None if trial is None else estimated_lib.Estimated.of(plan, trial))
-        if trial is not None:
-          logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
-                       result.plan.describe(), trial.outcome, "" if out[-1].seconds is None
-                       else f", {1000 * out[-1].seconds:.2f} ms a step")
+        if trial is None:  # past the time budget
+          out.append(None)
+          continue
+        e = estimated_lib.Estimated.of(plan, trial)
+        logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
+                     result.plan.describe(), trial.outcome,
+                     "" if e.seconds is None else f", {1000 * e.seconds:.2f} ms a step")
+        out.append(e)
       return out
     chosen = estimated_lib.Estimated.of(result.plan, result.attempts[-1])
     outcome = estimated_lib.compare(field, chosen, compile_plans,
