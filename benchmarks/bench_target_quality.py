@@ -147,7 +147,8 @@ def _fit(step, state, batch, target: str, capacity: int, fits: dict, best: float
                if a.plan == chosen and a.estimate is not None), None)
   seconds = found["estimate_s"] if found else kept and kept.seconds
   return {"chosen": chosen.describe(), "ratio": seconds / best if seconds else None,
-          "compiles": len(g.attempts), "fit_s": fit_s}
+          "compiles": len(g.attempts), "fit_s": fit_s,
+          "compared": g.estimated.to_dict()["plans"] if g.estimated else []}
 
 
 def markdown(results: list[dict]) -> str:

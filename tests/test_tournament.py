@@ -74,6 +74,16 @@ def test_after_more_microbatches_won_the_heavier_rival_is_still_the_fewest_that_
                                tried) == at(NOTHING, 2)
 
 
+def test_heavier_remat_at_fewer_microbatches_comes_before_heavier_remat_at_as_many():
+  # v5e, the lm at 35% (bench_target_quality): no remat at 2 chosen, dots unsplit over the
+  # capacity; full remat unsplit was estimated 1.15x faster, dots at 2 no faster, and three
+  # rivals (4, dots unsplit, dots at 2) never reached it
+  f = _field(at(DONATE, 2), failing=[DONATE, DOTS])
+  tried = frozenset({at(DONATE, 2), at(DONATE, 4)})
+  assert rivals_lib.next_rival(f, at(DONATE, 2), tried) == NOTHING
+  assert rivals_lib.next_rival(f, at(DONATE, 2), tried | {NOTHING}) == at(DOTS, 2)
+
+
 def test_a_lighter_rival_the_search_never_measured_is_the_fewest_count_not_ruled_out():
   # the search chose remat at one microbatch; without remat 1 and 2 failed, 4 was never compiled
   f = _field(DOTS, failing=[DONATE, at(DONATE, 2)], counts=(1, 2, 4, 8))
@@ -230,14 +240,17 @@ def test_a_rival_that_does_not_fit_is_never_run_and_the_count_of_rivals_is_bound
 
 def test_more_remat_at_fewer_microbatches_can_win_and_a_rival_that_does_not_fit_is_learnt():
   # a GPU's shape: the search chose two microbatches without remat; one microbatch with full
-  # remat is faster. Remat of dots at one microbatch does not fit: the next rival is it at two
-  speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 1.1, at(DOTS, 2): 1.2, NOTHING: 0.8}
+  # remat is faster. Remat of dots at one microbatch does not fit: the next rival is full
+  # remat at one (fewer microbatches), before dots at two; from it, full remat at two
+  speed = {at(DONATE, 2): 1.0, at(DONATE, 4): 1.1, at(DOTS, 2): 1.2, NOTHING: 0.8,
+           at(NOTHING, 2): 0.9}
   t, ran, settled = _tournament(speed, _field(at(DONATE, 2), failing=[DONATE], counts=(1, 2, 4)),
                                 at(DONATE, 2), fits=lambda p: p != DOTS)
   _run(t, settled)
   (outcome,) = settled
   assert outcome.winner == NOTHING and DOTS not in ran
-  assert {tm.plan for tm in outcome.timings} == {NOTHING, at(DONATE, 2), at(DONATE, 4), at(DOTS, 2)}
+  assert [tm.plan for tm in outcome.timings] == [NOTHING, at(NOTHING, 2), at(DONATE, 2),
+                                                 at(DONATE, 4)]
 
 
 # -- with the compiler ----------------------------------------------------------------------

@@ -86,9 +86,11 @@ def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
   """Near `plan`, most promising first: about twice its microbatches; a lighter remat
   family (lightest first) at the fewest count that may fit, from `plan`'s up or where a
   compile said it fits (the search may never have measured it: the rival's compile says);
-  a heavier one (nearest first) at the fewest that may fit, up to `plan`'s count (on a GPU
-  fewer, larger microbatches with more recompute ran faster; on a CPU full remat unsplit
-  beat lighter remat at 4 microbatches by 1.15: the corner, not a step towards it); its
+  a heavier one (nearest first) at the fewest that may fit below `plan`'s count, then at
+  up to it (on a GPU fewer, larger microbatches with more recompute ran faster; on a CPU
+  full remat unsplit beat lighter remat at 4 microbatches by 1.15: the corner, not a step
+  towards it; for v5e, from no remat at 2 with dots unsplit over the capacity, full remat
+  unsplit was estimated 1.15x faster and dots at 2 no faster); its
   own family at about half its count; and, last, about four times its count."""
   counts = [k for k in f.counts if k not in f.unmeasured]
   k = plan.microbatches
@@ -102,8 +104,11 @@ def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
   known = lambda g, n: model.at(g, n) in f.fitting  # noqa: E731
   for lighter in kin[:kin.index(family)]:
     yield from _fewest(f, lighter, [n for n in counts if n >= k or known(lighter, n)])
-  for heavier in kin[kin.index(family) + 1:]:
-    yield from _fewest(f, heavier, [n for n in counts if n <= k])
+  heavier = kin[kin.index(family) + 1:]
+  for g in heavier:  # fewer microbatches first: each is the point of more recompute
+    yield from _fewest(f, g, [n for n in counts if n < k])
+  for g in heavier:  # then as many (full remat unsplit beat no remat unsplit on v5e)
+    yield from _fewest(f, g, [n for n in counts if n <= k])
   # about half the microbatches of its own family, where an earlier move left it more
   # than it needs
   yield from _fewest(f, family, [n for n in counts if k // 2 <= n < k])
