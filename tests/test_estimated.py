@@ -205,6 +205,11 @@ def test_a_target_compares_its_rivals_by_their_compiled_programs(tmp_path):
   text = report_lib.render(data)
   assert "compiled for the target and compared" in text and chosen["plan"] in text
   assert "Compared on the target" in report_html.render(data)
+  assert g.estimated is not None and g.estimated.winner == plan
+  # a later fit that raises leaves no comparison standing for it
+  with pytest.raises(TypeError):
+    g.fit(w, jax.ShapeDtypeStruct((2048, 1000), jnp.bfloat16))
+  assert g.estimated is None
   # without the option a fit compiles no rival, and its report compares nothing
   plain = hbm_guard.guarded_jit(_step, state_argnums=0, target="v5e:1x1", capacity="12MiB",
                                 max_class="numerics", plan_cache=False, progress=False,

@@ -129,6 +129,7 @@ class GuardedFunction:
         self._by_signature.pop(key, None)
       fit = fit_lib.Fit(self._step, self._backend, self.options, self._cache, self._ledger,
                         key, args, kwargs)
+      self._estimated = None  # a fit that raises compared nothing
       result = fit.run(start, failed_run)
       compared = self._estimated = self._compare_estimates(fit, result)
       if compared is not None:

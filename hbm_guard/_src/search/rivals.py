@@ -90,7 +90,7 @@ def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
   up to it (on a GPU fewer, larger microbatches with more recompute ran faster; on a CPU
   full remat unsplit beat lighter remat at 4 microbatches by 1.15: the corner, not a step
   towards it; for v5e, from no remat at 2 with dots unsplit over the capacity, full remat
-  unsplit was estimated 1.15x faster and dots at 2 no faster); its
+  unsplit was estimated 1.06x faster and dots at 2 no faster); its
   own family at about half its count; and, last, about four times its count."""
   counts = [k for k in f.counts if k not in f.unmeasured]
   k = plan.microbatches
