@@ -76,7 +76,7 @@ def test_after_more_microbatches_won_the_heavier_rival_is_still_the_fewest_that_
 
 def test_heavier_remat_at_fewer_microbatches_comes_before_heavier_remat_at_as_many():
   # v5e, the lm at 35% (bench_target_quality): no remat at 2 chosen, dots unsplit over the
-  # capacity; full remat unsplit was estimated 1.15x faster, dots at 2 no faster, and three
+  # capacity; full remat unsplit was estimated 1.06x faster, dots at 2 no faster, and three
   # rivals (4, dots unsplit, dots at 2) never reached it
   f = _field(at(DONATE, 2), failing=[DONATE, DOTS])
   tried = frozenset({at(DONATE, 2), at(DONATE, 4)})

@@ -107,7 +107,9 @@ def _neighbours(f: Field, plan: Plan) -> Iterator[Plan]:
   heavier = kin[kin.index(family) + 1:]
   for g in heavier:  # fewer microbatches first: each is the point of more recompute
     yield from _fewest(f, g, [n for n in counts if n < k])
-  for g in heavier:  # then as many (full remat unsplit beat no remat unsplit on v5e)
+  # then up to as many (full remat unsplit beat no remat unsplit on v5e); where one below
+  # may fit this yields it again, and `next_rival` skips what was tried
+  for g in heavier:
     yield from _fewest(f, g, [n for n in counts if n <= k])
   # about half the microbatches of its own family, where an earlier move left it more
   # than it needs
