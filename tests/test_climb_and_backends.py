@@ -192,7 +192,8 @@ def test_the_target_backend_compiles_for_the_tpu_and_probes_cheaply(v5e_devices)
   assert isinstance(target, backend_lib.TargetBackend) and not target.exact_probes
   assert target.where() == "target:v5e:1x1" and target.platform == "tpu"
   key = target.step.key((w, x), {})
-  need = probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  need, refused = probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  assert refused is None
   assert need and need > 4 * MiB  # the weights alone are 4 MiB
   assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
 
@@ -282,7 +283,7 @@ def test_dear_probes_compile_at_xlas_lowest_effort_where_jax_takes_it(v5e_device
   x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
   target = _backend(target="v5e:1x1")
   key = target.step.key((w, x), {})
-  assert probing.probe(target, hbm_guard.Plan(), key, (w, x), {}, low_effort=True)
+  assert probing.probe(target, hbm_guard.Plan(), key, (w, x), {}, low_effort=True)[0]
   probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
   flagged = hbm_guard.Plan(compiler_options=(("xla_tpu_pre_fusion_remat", True),))
   probing.probe(target, flagged, key, (w, x), {}, low_effort=True)
@@ -308,11 +309,11 @@ def test_probes_started_in_a_pool_read_what_probes_one_by_one_do(v5e_devices):
   target = _backend(target="v5e:1x1")
   key = target.step.key((w, x), {})
   plans = [hbm_guard.Plan(), hbm_guard.Plan(donate_argnums=(0,))]
-  alone = [probing.probe(target, p, key, (w, x), {}) for p in plans]
+  alone = [probing.probe(target, p, key, (w, x), {})[0] for p in plans]
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     futures = probing.start_probes(target, plans, key, (w, x), {}, pool=pool)
     together = [f.result() for f in futures]
-  assert [need for need, _ in together] == alone and all(s > 0 for _, s in together)
+  assert [need for need, _, _ in together] == alone and all(s > 0 for _, s, _ in together)
   assert alone[1] < alone[0]  # donation: a figure per plan, not one figure twice
 
 

@@ -6,10 +6,13 @@ Each value of a flat loss program gets a tag:
 - `SUM`: an additive sum over the batch (the microbatches' values add up to the batch's);
 - `COMBINED`: computed from sums (a mean, `sum(l * w) / sum(w)`): evaluated once, from
   the whole batch's sums;
-- `Position(axes)`: made from the batch's size, not from the batch (`jnp.arange(n)`): it
-  counts the examples, and a microbatch counts from 0 again, so per-example work that
-  reads it (a weight, a mask, `x[jnp.arange(n), y]`) is refused. Along an axis other than
-  the batch's (a sequence as long as the batch) it is a constant.
+- `Position(axes)`: made from the batch's size, not from the batch (`jnp.arange(n)`, also
+  over the batch merged with a sequence, `jnp.arange(n * L)`): it counts the examples, and
+  a microbatch counts from 0 again. Along an axis other than the batch's (a sequence as
+  long as the batch) it is a constant. Where per-example work reads it (a weight, a mask),
+  the parameter-free value is taken as per-example data (`split`): computed once over the
+  whole batch, as jax.jit computes it, and split like the batch; where that cannot be done
+  (it depends on the parameters, or indexes the batch itself), the split is refused.
 Where examples interact — a batch statistic feeding per-example work (BatchNorm), examples
 paired with examples (in-batch negatives), a maximum over the batch — `NotSplittable` says
 where, so the guard can say why it did not split.
@@ -23,17 +26,17 @@ is a position along it unless it is provably the same at every position.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
-
-import numpy as np
 
 from hbm_guard._src import batch_rules as rules
 from hbm_guard._src import batch_tags as tags
+from hbm_guard._src import batch_units as units
 from hbm_guard._src import custom_rules
 from hbm_guard._src import jaxpr_flat as flat
+from hbm_guard._src import own_rows
 
 
+batch_long = tags.batch_long
 NotSplittable, Batched, Position, Reduced = (tags.NotSplittable, tags.Batched, tags.Position,
                                             tags.Reduced)
 SUM, COMBINED = tags.SUM, tags.COMBINED
@@ -41,13 +44,20 @@ constant_tag, where = tags.constant_tag, tags.where
 _where, _shape = tags.where, tags.shape_of
 # Ops under which a sum stays additive: they only move or retype the summed values.
 _LINEAR_1 = frozenset({"convert_element_type", "neg", "reshape", "squeeze", "broadcast_in_dim",
-                       "transpose", "reduce_sum", "copy", "copy_p", "real", "imag"})
+                       "transpose", "reduce_sum", "copy", "copy_p", "real", "imag",
+                       # inside a shard_map: the shards' sums added up, or marked as such
+                       "psum", "psum_invariant", "pvary", "pbroadcast"})
 _UNITS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
-                    "remat", "custom_lin"})
+                    "remat", "remat2", "custom_lin"})
+CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})  # jax.checkpoint, nn.remat, nnx.remat
+MAX_DESIGNATIONS = 16  # values taken as per-example data in one loss, at most
+# Ops that only move or retype a value: a statistic broadcast by them is hoisted before them.
+_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy",
+                         "copy_p", "squeeze", "expand_dims", "transpose"})
 CUSTOM_RULES = custom_rules.NAMES
 # Primitives that act on each element (or, with an axis parameter, along that axis only:
 # refused where it is the batch's). Everything else needs a rule of its own.
-_ELEMENTWISE = frozenset({
+ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
     "bessel_i0e", "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj",
     "convert_element_type", "copy", "copy_p", "cos", "cosh", "cumlogsumexp", "cummax",
@@ -61,28 +71,68 @@ _ELEMENTWISE = frozenset({
     "sub", "tan", "tanh", "xor", "zeta", "optimization_barrier", "sharding_constraint",
     "mesh_cast", "reshard", "bitcast_convert_type", "threefry2x32", "random_fold_in",
     "log2", "mulhi", "one_minus_square", "eq_to", "le_to", "lt_to", "polynomial",
+    "name",  # checkpoint_name: the value, named for a remat policy
+    "pvary",  # inside a shard_map: the value, marked as varying over devices
 })
 # Key primitives that keep a key array's leading axes (and append their own at the end).
 _KEY_LEADING = frozenset({"random_bits", "random_split", "random_wrap", "random_unwrap"})
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "callback", "ffi_call"})
 
 
+class _Designate(Exception):
+  """A parameter-free value an op needs per example: the analysis starts again with it
+  taken as per-example data (`split`)."""
+
+  def __init__(self, var, tag: Batched, refusal: NotSplittable, own_index: bool = False):
+    super().__init__(str(refusal))
+    self.var, self.tag, self.refusal, self.own_index = var, tag, refusal, own_index
+
+
 def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
             consts: Sequence[Any] = (), hoisted: set | None = None,
-            param_free: Callable[[Any], bool] | None = None) -> dict[Any, Any]:
+            param_free: Callable[[Any], bool] | None = None,
+            split: dict | None = None, own_index: set | None = None) -> dict[Any, Any]:
   """Tags of every value of `prog`, given the batch inputs' axes (or tags) and the values
   of its constvars (`consts`, where known); raises NotSplittable.
 
   With `param_free` (which values do not depend on the parameters), a batch statistic that
   is parameter-free and meets per-example values (advantages normalised by their batch mean
   and deviation, `mask / mask.sum()`) is added to `hoisted` instead of refused: computed
-  once over the whole batch, it is a constant to each microbatch."""
+  once over the whole batch, it is a constant to each microbatch. With `split` as well (a
+  dict, which this fills), a parameter-free value as long as the batch that an op needs per
+  example (a mask by position, `jnp.arange(n * L) < n_valid * L`; labels `jnp.zeros(n)`) is
+  taken as per-example data: `split[value]` is its layout, and it is computed once over the
+  whole batch and split like the batch, so each microbatch reads its own examples' entries.
+  Of those, an `iota` over the batch that only indexes the batch's own rows (`x[jnp.arange(n),
+  y]`) is in `own_index`: each microbatch counts its own rows, as it must."""
+  if split is None or param_free is None:
+    return _analyse(prog, batched, batch, consts, hoisted, param_free, None, None)
+  while True:
+    if hoisted is not None:
+      hoisted.clear()
+    try:
+      return _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index)
+    except _Designate as d:
+      if (d.var in split and not d.own_index) or len(split) >= MAX_DESIGNATIONS or (
+          d.own_index and own_index is None) or (own_index is not None and d.var in own_index):
+        raise d.refusal from None
+      split[d.var] = d.tag
+      if d.own_index:
+        own_index.add(d.var)
+
+
+def _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index
+             ) -> dict[Any, Any]:
   tags: dict[Any, Any] = {v: a if isinstance(a, (Batched, Position, Reduced)) else Batched(a)
                           for v, a in batched.items()}
   for v, c in zip(prog.constvars, consts):
     if v not in tags and (t := constant_tag(c, batch)) is not None:
       tags[v] = t
+  if split:
+    tags.update((v, t) for v, t in split.items() if v in set(prog.constvars))
   const_tags: dict[int, Position | None] = {}  # an inlined constant is read once
+  producers: dict[Any, flat.Eqn] = {}
+  own_gathers: set = set()  # gathers that read each example's own row
 
   def const_tag(c: flat.Const) -> Position | None:
     if id(c) not in const_tags:
@@ -90,30 +140,150 @@ def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
     return const_tags[id(c)]
 
   for e in prog.eqns:
+    producers.update((v, e) for v in e.outvars)
     ins = [tags.get(v) if flat.is_var(v) else (
         const_tag(v) if isinstance(v, flat.Const) else None) for v in e.invars]
     if not any(t is not None for t in ins):
-      name = e.primitive.name
-      if name == "iota" and e.outvars[0].aval.shape[e.params["dimension"]] == batch:
-        tags[e.outvars[0]] = Position(frozenset({e.params["dimension"]}))
-      elif name in _CALLBACKS:  # its result may differ at every position: never uniform
-        for v in e.outvars:
-          axes = frozenset(i for i, d in enumerate(getattr(v.aval, "shape", ())) if d == batch)
-          if axes:
-            tags[v] = Position(axes)
-      continue
-    if param_free is not None and _free_extremum(e, ins, param_free):
+      _untagged(e, tags, batch)
+    elif param_free is not None and _free_extremum(e, ins, param_free):
       tags[e.outvars[0]] = COMBINED  # (logsumexp's maximum): evaluated over the whole batch
-      continue
-    if param_free is not None and any(isinstance(t, (Batched, Position)) for t in ins):
-      for i, (v, t) in enumerate(zip(e.invars, ins)):
-        if isinstance(t, Reduced) and flat.is_var(v) and param_free(v):
-          hoisted.add(v)
-          ins[i] = None
-    for v, t in zip(e.outvars, _tag(e, ins, batch)):
-      if t is not None:
-        tags[v] = t
+    else:
+      if param_free is not None and any(isinstance(t, (Batched, Position)) for t in ins):
+        for i, (v, t) in enumerate(zip(e.invars, ins)):
+          if isinstance(t, Reduced) and flat.is_var(v) and param_free(v):
+            hoisted.add(_before_broadcasts(v, producers, tags, param_free))
+            ins[i] = None
+      try:
+        outs = _tag(e, ins, batch)
+      except NotSplittable as refusal:
+        chain = None if split is None else own_rows.chain(e, ins, producers)
+        own = chain[-1] if chain else None
+        if own is not None and own_index is not None and own in own_index:
+          own_index.update(chain)  # (each microbatch counts them: its own rows)
+          own_gathers.add(e)
+          outs = [ins[1].at(own_rows.gathered(e)[ins[1].axis])]
+          for v, t in zip(e.outvars, outs):
+            tags[v] = t
+          continue
+        if own is not None and isinstance(tags.get(own), (Position, Batched)):
+          raise _Designate(own, Batched(0), refusal, own_index=True) from None
+        found = None if split is None else _designation(e, ins, batch, param_free, split,
+                                                        producers, tags)
+        if found is not None:
+          raise _Designate(*found, refusal) from None
+        if split is None or not all(param_free(v) for v in e.outvars):
+          raise
+        outs = [_whole_batch_only(v, batch) for v in e.outvars]
+      for v, t in zip(e.outvars, outs):
+        if t is not None:
+          tags[v] = t
+    if split:
+      tags.update((v, split[v]) for v in e.outvars if v in split)
+  if own_index:
+    other = own_rows.only_as_own_rows(prog, own_index, own_gathers)
+    if other is not None or any(v in own_index for v in prog.outvars):
+      raise NotSplittable(f"{_where(other) if other is not None else 'the loss'} reads the "
+                          f"examples' positions in the batch that also index their own rows "
+                          f"(a microbatch counts its own)")
   return tags
+
+
+def _whole_batch_only(v, batch: int) -> Position | Reduced:
+  """The tag of a value a parameter-free op made from the batch in a way no rule follows
+  (mixup's `x[::-1]`, a sort over the batch, counts by class): as long as the batch, a
+  position along those axes (computed once over the whole batch and split with it where
+  per-example work reads it); otherwise a statistic of the batch (computed once)."""
+  axes = frozenset(i for i, d in enumerate(getattr(v.aval, "shape", ())) if batch_long(d, batch))
+  return Position(axes) if axes else COMBINED
+
+
+def _untagged(e: flat.Eqn, tags: dict, batch: int) -> None:
+  """An op on values independent of the batch: an iota or a callback's result as long as
+  the batch (or a multiple of it) is a position along that axis."""
+  name = e.primitive.name
+  if name == "iota" and batch_long(e.outvars[0].aval.shape[e.params["dimension"]], batch):
+    tags[e.outvars[0]] = Position(frozenset({e.params["dimension"]}))
+  elif name in _CALLBACKS:  # its result may differ at every position: never uniform
+    for v in e.outvars:
+      axes = frozenset(i for i, d in enumerate(getattr(v.aval, "shape", ()))
+                       if batch_long(d, batch))
+      if axes:
+        tags[v] = Position(axes)
+
+
+def _before_broadcasts(v, producers: dict, tags: dict, param_free) -> Any:
+  """The statistic `v` as it was before ops that only broadcast or retype it: hoisted
+  there, so each microbatch broadcasts it to its own shape (`jnp.where(m, x.mean(), 0)`)."""
+  for _ in range(len(producers)):
+    e = producers.get(v)
+    if e is None or e.primitive.name not in _SHAPE_ONLY:
+      return v
+    operands = [u for u in e.invars if flat.is_var(u)]
+    if len(operands) != 1 or not isinstance(tags.get(operands[0]), Reduced) or not param_free(
+        operands[0]):
+      return v
+    v = operands[0]
+  return v
+
+
+def _designation(e: flat.Eqn, ins: list, batch: int, param_free, split: dict, producers: dict,
+                 tags: dict) -> tuple[Any, Batched] | None:
+  """A parameter-free operand of `e` (or the parameter-free position it was made from) that,
+  taken as per-example data in some layout, lets `e` be tagged: (value, layout), or None."""
+  layouts = sorted({1} | {t.segments for t in ins if isinstance(t, Batched)})
+  for i, (v, t) in enumerate(zip(e.invars, ins)):
+    if not flat.is_var(v) or v in split or not (t is None or isinstance(t, Position)):
+      continue
+    if param_free(v):
+      for tag in _layouts(v, batch, layouts):
+        trial = list(ins)
+        trial[i] = tag
+        if _tag_or_none(e, trial, batch) is not None:
+          return v, tag
+    elif isinstance(t, Position):  # e.g. a parameter table read by position
+      for source in _position_sources(v, producers, tags, param_free):
+        axes = tags[source].axes
+        if len(axes) == 1 and source not in split:
+          return source, Batched(next(iter(axes)))
+  return None
+
+
+def designate(prog: flat.Program, tags: dict, v, batch: int) -> Batched | None:
+  """A layout for the parameter-free value `v` as per-example data, from the first op that
+  reads it and can take it so (None where none can)."""
+  layouts = sorted({1} | {t.segments for t in tags.values() if isinstance(t, Batched)})
+  for e in prog.eqns:
+    if not any(u is v for u in e.invars):
+      continue
+    ins = [tags.get(u) if flat.is_var(u) else None for u in e.invars]
+    for tag in _layouts(v, batch, layouts):
+      trial = [tag if u is v else t for u, t in zip(e.invars, ins)]
+      if _tag_or_none(e, trial, batch) is not None:
+        return tag
+  return None
+
+
+def _layouts(v, batch: int, segments: list[int]):
+  shape = tuple(getattr(v.aval, "shape", ()))
+  for a, n in enumerate(shape):
+    for s in segments:
+      if batch_long(n, s * batch):
+        yield Batched(a, s)
+
+
+def _position_sources(v, producers: dict, tags: dict, param_free, limit: int = 64) -> list:
+  """The parameter-free positions (iotas, constants) a position was made from."""
+  out, todo, seen = [], [v], set()
+  while todo and len(seen) < limit:
+    u = todo.pop()
+    if u in seen:
+      continue
+    seen.add(u)
+    if isinstance(tags.get(u), Position) and param_free(u):
+      out.append(u)
+    elif (e := producers.get(u)) is not None:
+      todo += [w for w in e.invars if flat.is_var(w) and isinstance(tags.get(w), Position)]
+  return out
 
 
 def _free_extremum(e: flat.Eqn, ins: list, param_free) -> bool:
@@ -127,6 +297,10 @@ def _free_extremum(e: flat.Eqn, ins: list, param_free) -> bool:
 
 
 def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
+  if any(t in tags.EXTREMA for t in ins):
+    raise NotSplittable(f"{_where(e)} reads a maximum or minimum over the batch of values of "
+                        f"the parameters (examples interact; returned as it is, in has_aux, "
+                        f"it splits)")
   if any(isinstance(t, Position) for t in ins):
     return _positional(e, ins, batch)
   n_out = len(e.outvars)
@@ -141,11 +315,13 @@ def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
   rule = rules.RULES.get(name)
   if rule is not None:
     return rule(e, ins, batch)
-  if name in _UNITS or name == "scan" or name == "cond":
-    return _unit(e, ins, batch)
+  if name in _UNITS or name in ("scan", "cond", "shard_map"):
+    return units.tag(e, ins, batch, analyse)
+  if name in units.COLLECTIVES:
+    return units.collective(e, ins)
   if name == "while":
     raise NotSplittable(f"{_where(e)} loops over per-example values")
-  if name in _ELEMENTWISE:
+  if name in ELEMENTWISE:
     return rules.elementwise(e, ins)
   if name in _KEY_LEADING:
     return rules.key_leading(e, ins, batch)
@@ -222,109 +398,3 @@ def _reduced(e: flat.Eqn, ins: list) -> Reduced:
   # Scaling by a constant is linear too, but the constant may be the batch's size (a mean's
   # divisor): it is applied once, to the totals, where it is the whole batch's.
   return COMBINED
-
-
-def _unit(e: flat.Eqn, ins: list, batch: int) -> list:
-  """custom_jvp / custom_vjp / checkpoint / scan / cond: the tags of their body."""
-  name = e.primitive.name
-  if name == "scan":
-    return _scan(e, ins, batch)
-  if name == "cond":
-    outs = None
-    if ins[0] is not None:
-      raise NotSplittable(f"{_where(e)} branches on a per-example value")
-    for branch in e.params["branches"]:
-      got = _body(branch, ins[1:], batch)
-      if outs is not None and got != outs:
-        raise NotSplittable(f"{_where(e)}: branches move the batch differently")
-      outs = got
-    return _no_combined(e, outs)
-  sub = next((v for v in e.params.values()
-              if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")), None)
-  if sub is None:
-    raise NotSplittable(f"{_where(e)}: the guard cannot see into it")
-  inner = getattr(sub, "jaxpr", sub)
-  n_in = len(inner.invars)
-  outs = _no_combined(e, _body(sub, ins[len(ins) - n_in:], batch))
-  if name in CUSTOM_RULES:
-    custom_rules.check(e, ins, outs, batch, analyse, NotSplittable, _where(e))
-  return outs
-
-
-def _no_combined(e, outs):
-  if COMBINED in outs:
-    raise NotSplittable(f"{_where(e)} computes from batch sums inside itself")
-  return outs
-
-
-def _body(closed, ins: Sequence, batch: int) -> list:
-  """Output tags of a unit's body. Its operands carry no batch sums (see `_tag`), except a
-  scan's running sum from zero (`_carried`)."""
-  closed = closed if hasattr(closed, "jaxpr") else _Closed(closed)
-  prog = flat.flatten(closed)
-  tags = analyse(prog, {v: t for v, t in zip(prog.invars, ins)
-                       if isinstance(t, (Batched, Position)) or t is SUM}, batch,
-                 getattr(closed, "consts", ()))
-  return [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Closed:
-  jaxpr: Any
-  consts: tuple = ()
-
-
-def _scan(e: flat.Eqn, ins: list, batch: int) -> list:
-  p = e.params
-  if "num_consts" in p:
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-  else:  # newer jax: the operands' groups (consts, carry, xs) as a flat tree
-    groups = getattr(p.get("ft_in"), "elts", None)
-    if groups is None or len(groups) != 3:
-      raise NotSplittable(f"{_where(e)}: a scan the guard cannot read")
-    n_consts, n_carry = len(groups[0]), len(groups[1])
-  consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
-  x_tags = []
-  for t in xs:
-    if isinstance(t, Batched) and t.axis == 0:
-      raise NotSplittable(f"{_where(e)} scans over the batch axis")
-    x_tags.append(Batched(t.axis - 1) if isinstance(t, Batched) else t)
-  if any(isinstance(t, Reduced) for t in ins):
-    raise NotSplittable(f"{_where(e)} carries a batch sum")
-  # A carry that sums from a literal zero (a loss summed chunk by chunk) adds up over the
-  # microbatches as the whole batch's; one from any other start would count it k times.
-  from_zero = [_is_zero(a) for a in e.invars[n_consts:n_consts + n_carry]]
-  for _ in range(n_carry + 3):
-    outs = _body(p["jaxpr"], [*consts, *carry, *x_tags], batch)
-    new_carry = [_carried(e, a, b, zero) for a, b, zero in zip(outs[:n_carry], carry, from_zero)]
-    if new_carry == list(carry):
-      break
-    carry = new_carry
-  else:
-    raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
-  ys = [Batched(t.axis + 1) if isinstance(t, Batched) else t for t in outs[n_carry:]]
-  return _no_combined(e, [*carry, *ys])
-
-
-def _is_zero(atom) -> bool:
-  if flat.is_var(atom):
-    return False
-  try:
-    return not np.any(np.asarray(flat.read(atom, {})))
-  except Exception:  # pylint: disable=broad-except  (not a concrete constant)
-    return False
-
-
-def _carried(e, out, before, from_zero: bool):
-  """A scan carry's tag for the next pass over the body: as before, or what the body made
-  of it; a batch sum only where it starts from zero and stays a sum."""
-  if before is None and from_zero and isinstance(out, Reduced):
-    return SUM  # try it as a running sum: the next pass says whether it stays one
-  if before is SUM and out is SUM:
-    return SUM
-  if isinstance(out, Reduced) or before is SUM or (
-      out is not None and before is not None and out != before):
-    raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
-  return out if out is not None else before
-
-

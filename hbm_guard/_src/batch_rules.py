@@ -38,15 +38,20 @@ def elementwise(e: flat.Eqn, ins: list) -> list:
   """An op whose outputs have its batched operands' shape (up to lax's broadcasting of size-1
   dimensions) keeps the batch axis."""
   batched = [(v, t) for v, t in zip(e.invars, ins) if isinstance(t, Batched)]
-  axes = {t.axis for _, t in batched}
+  layouts = {t for _, t in batched}
   outs = {tuple(getattr(v.aval, "shape", ())) for v in e.outvars}
-  if len(axes) == 1 and len(outs) == 1:
-    axis, out = axes.pop(), outs.pop()
+  if len(layouts) == 1 and len(outs) == 1:
+    tag, out = layouts.pop(), outs.pop()
+    axis = tag.axis
     if all(len(_shape(v)) == len(out) and _shape(v)[axis] == out[axis] and all(
         d in (1, o) for d, o in zip(_shape(v), out)) for v, _ in batched):
       if axis in _params_axes(e):
         raise NotSplittable(f"{_where(e)} runs along the batch axis (examples interact)")
-      return [Batched(axis)] * len(e.outvars)
+      return [tag] * len(e.outvars)
+  if len({t.axis for t in layouts}) > 1:
+    raise NotSplittable(f"{_where(e)} pairs examples with other examples: its operands hold "
+                        f"the batch on different axes (as `[n]` broadcast against `[n, 1]` "
+                        f"does)")
   raise NotSplittable(f"{_where(e)}: the guard does not know how it moves the batch axis")
 
 
@@ -57,53 +62,65 @@ def key_leading(e, ins, batch):
   if not isinstance(t, Batched) or len(ins) != 1 or t.axis >= len(_shape(e.invars[0])) - (
       e.primitive.name == "random_wrap"):
     raise NotSplittable(f"{_where(e)} moves the batch axis of a key array")
-  return [Batched(t.axis)] * len(e.outvars)
+  return [t] * len(e.outvars)
 
 
 def _reduce_sum(e, ins, batch):
   axes = tuple(e.params["axes"])
-  _, a = _the(ins)
-  return [SUM if a in axes else Batched(a - sum(x < a for x in axes))]
+  i, a = _the(ins)
+  return [SUM if a in axes else ins[i].at(a - sum(x < a for x in axes))]
 
 
 def _reduce_other(e, ins, batch):
   axes = tuple(e.params["axes"])
-  _, a = _the(ins)
+  i, a = _the(ins)
+  if a in axes and e.primitive.name in _EXTREMA:  # (a metric: refused where it is read)
+    return [_EXTREMA[e.primitive.name]]
   if a in axes:
     raise NotSplittable(f"{_where(e)} reduces over the batch axis without summing "
                         f"(examples interact)")
-  return [Batched(a - sum(x < a for x in axes))]
+  return [ins[i].at(a - sum(x < a for x in axes))]
+
+
+_EXTREMA = {"reduce_max": tags.MAX, "reduce_min": tags.MIN}
 
 
 def _broadcast_in_dim(e, ins, batch):
   if not isinstance(ins[0], Batched):
     return elementwise(e, ins)
-  return [Batched(tuple(e.params["broadcast_dimensions"])[ins[0].axis])]
+  return [ins[0].at(tuple(e.params["broadcast_dimensions"])[ins[0].axis])]
 
 
 def _reshape(e, ins, batch):
+  """The batch stays the major factor of an axis (merged with a sequence, `[B, L] ->
+  [B * L]`, or split from one). Segments stay whole, or become an axis of their own
+  (`[2B, D] -> [2, B, D]`: the batch on the second axis)."""
   if e.params.get("dimensions") is not None or not isinstance(ins[0], Batched):
     raise NotSplittable(f"{_where(e)} reorders the batch axis")
-  a = ins[0].axis
+  t = ins[0]
+  a, s = t.axis, t.segments
   shape_in = _shape(e.invars[0])
   shape_out = tuple(e.outvars[0].aval.shape)
   prefix = math.prod(shape_in[:a])
   for b in range(len(shape_out)):
-    if math.prod(shape_out[:b]) == prefix and shape_out[b] >= batch and shape_out[b] % batch == 0:
+    before = math.prod(shape_out[:b])
+    if before == prefix and shape_out[b] >= s * batch and shape_out[b] % (s * batch) == 0:
+      return [t.at(b)]
+    if s > 1 and before == prefix * s and shape_out[b] >= batch and shape_out[b] % batch == 0:
       return [Batched(b)]
-    if math.prod(shape_out[:b]) > prefix:
+    if before > prefix * s:
       break
   raise NotSplittable(f"{_where(e)} splits the batch axis {shape_in} -> {shape_out}")
 
 
 def _transpose(e, ins, batch):
-  return [Batched(tuple(e.params["permutation"]).index(ins[0].axis))]
+  return [ins[0].at(tuple(e.params["permutation"]).index(ins[0].axis))]
 
 
 def _squeeze(e, ins, batch):
   dims = tuple(e.params["dimensions"])
   a = ins[0].axis
-  return [Batched(a - sum(d < a for d in dims))]
+  return [ins[0].at(a - sum(d < a for d in dims))]
 
 
 def _dot_general(e, ins, batch):
@@ -125,16 +142,17 @@ def _dot_general(e, ins, batch):
       where.append(("free", offset + free[side].index(t.axis)))
   l, r = where
   if l is not None and r is not None:
-    if l == r and l[0] == "contract":
+    same = ins[0].segments == ins[1].segments
+    if l == r and l[0] == "contract" and same:
       return [SUM]
-    if l == r and l[0] == "batch":
-      return [Batched(l[1])]
+    if l == r and l[0] == "batch" and same:
+      return [ins[0].at(l[1])]
     raise NotSplittable(f"{_where(e)} pairs examples with other examples (in-batch "
                         f"interaction, as a contrastive loss's)")
   kind, pos = l or r
   if kind == "contract":
     return [SUM]
-  return [Batched(pos)]
+  return [(ins[0] if l else ins[1]).at(pos)]
 
 
 def _gather(e, ins, batch):
@@ -145,57 +163,71 @@ def _gather(e, ins, batch):
   op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
   idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
   if isinstance(idx, Batched) and idx.axis < len(_shape(e.invars[1])) - 1:
-    if op is None or (op.axis in op_batching
+    if op is None or (op.axis in op_batching and op.segments == idx.segments
                       and idx_batching[op_batching.index(op.axis)] == idx.axis):
-      return [Batched(gathered[idx.axis])]
+      return [idx.at(gathered[idx.axis])]
   if isinstance(op, Batched) and idx is None:
     kept = [d for d in range(len(_shape(e.invars[0])))
             if d not in tuple(dn.collapsed_slice_dims) and d not in op_batching]
     full = tuple(e.params["slice_sizes"])[op.axis] == _shape(e.invars[0])[op.axis]
     if op.axis in kept and full and op.axis not in tuple(dn.start_index_map):
-      return [Batched(tuple(dn.offset_dims)[kept.index(op.axis)])]
+      return [op.at(tuple(dn.offset_dims)[kept.index(op.axis)])]
   raise NotSplittable(f"{_where(e)} gathers across examples")
 
 
 def _concatenate(e, ins, batch):
   """Along another axis: every operand per example, or without the batch but as long as it
-  along the batch axis (a CLS token broadcast over the batch: the same in every example)."""
-  axes = {t.axis for t in ins if isinstance(t, Batched)}
-  if len(axes) == 1 and e.params["dimension"] not in axes:
-    a = next(iter(axes))
-    size = _shape(e.outvars[0])[a]
+  along the batch axis (a CLS token broadcast over the batch: the same in every example).
+  Along the batch axis: batches one after another (`[chosen; rejected]`), segments of one
+  axis, each split alike."""
+  layouts = {t for t in ins if isinstance(t, Batched)}
+  dim = e.params["dimension"]
+  if len(layouts) == 1 and dim != next(iter(layouts)).axis:
+    tag = next(iter(layouts))
+    a, size = tag.axis, _shape(e.outvars[0])[tag.axis]
     if all(isinstance(t, Batched) or (t is None and len(_shape(v)) > a and _shape(v)[a] == size)
            for v, t in zip(e.invars, ins)):
-      return [Batched(a)]
+      return [tag]
+  if all(isinstance(t, Batched) and t.axis == dim for t in ins):
+    per = {_shape(v)[dim] // t.segments for v, t in zip(e.invars, ins)}
+    if len(per) == 1:
+      return [Batched(dim, sum(t.segments for t in ins))]
   raise NotSplittable(f"{_where(e)} concatenates along or beside the batch axis")
 
 
 def _stack(e, ins, batch):
   """jnp.stack (jax's own primitive in newer jax): every operand per example on one axis, or
   without the batch and as long as it there; the new axis moves the batch's past it."""
-  axes = {t.axis for t in ins if isinstance(t, Batched)}
-  if len(axes) == 1 and not any(isinstance(t, Position) for t in ins):
-    a = next(iter(axes))
+  layouts = {t for t in ins if isinstance(t, Batched)}
+  if len(layouts) == 1 and not any(isinstance(t, Position) for t in ins):
+    tag = next(iter(layouts))
+    a = tag.axis
     size = _shape(next(v for v, t in zip(e.invars, ins) if isinstance(t, Batched)))[a]
     if all(t is not None or (len(_shape(v)) > a and _shape(v)[a] == size)
            for v, t in zip(e.invars, ins)):
-      return [Batched(a if a < e.params["axis"] else a + 1)]
+      return [tag.at(a if a < e.params["axis"] else a + 1)]
   raise NotSplittable(f"{_where(e)} stacks values that hold the batch differently")
 
 
 def _unstack(e, ins, batch):
-  _, a = _the(ins)
+  i, a = _the(ins)
   if e.params["axis"] == a:
     raise NotSplittable(f"{_where(e)} takes the batch apart example by example")
-  return [Batched(a if a < e.params["axis"] else a - 1)] * len(e.outvars)
+  return [ins[i].at(a if a < e.params["axis"] else a - 1)] * len(e.outvars)
 
 
 def _split(e, ins, batch):
-  """lax.split (jnp.split, an LSTM cell's gates): each piece keeps the batch axis whole."""
-  _, a = _the(ins)
-  if e.params["axis"] == a:
-    raise NotSplittable(f"{_where(e)} splits the batch axis")
-  return [Batched(a)] * len(e.outvars)
+  """lax.split (jnp.split, an LSTM cell's gates): each piece keeps the batch axis whole;
+  along an axis of segments, at their boundaries (`jnp.split(both, 2)`: chosen, rejected)."""
+  i, a = _the(ins)
+  t = ins[i]
+  if e.params["axis"] != a:
+    return [t] * len(e.outvars)
+  per = _shape(e.invars[0])[a] // t.segments
+  sizes = tuple(e.params["sizes"])
+  if t.segments > 1 and all(n > 0 and n % per == 0 for n in sizes):
+    return [Batched(a, n // per) for n in sizes]
+  raise NotSplittable(f"{_where(e)} splits the batch axis")
 
 
 def _full_on_batch_axis(e, ins, batch):
@@ -205,6 +237,13 @@ def _full_on_batch_axis(e, ins, batch):
     raise NotSplittable(f"{_where(e)} indexes by a per-example value")
   name = e.primitive.name
   size = _shape(e.invars[0])[a]
+  t = ins[i]
+  if name == "slice" and t.segments > 1:  # whole segments of the batch (`both[:n]`)
+    per, p = size // t.segments, e.params
+    start, limit = p["start_indices"][a], p["limit_indices"][a]
+    if (start % per == 0 and limit % per == 0 and limit > start
+        and (p["strides"] is None or p["strides"][a] == 1)):
+      return [Batched(a, (limit - start) // per)]
   ok = {
       "slice": lambda p: (p["start_indices"][a] == 0 and p["limit_indices"][a] == size
                           and (p["strides"] is None or p["strides"][a] == 1)),
@@ -213,23 +252,23 @@ def _full_on_batch_axis(e, ins, batch):
   }[name](e.params)
   if not ok:
     raise NotSplittable(f"{_where(e)} takes part of the batch axis")
-  return [Batched(a)]
+  return [t]
 
 
 def _top_k(e, ins, batch):
-  _, a = _the(ins)
+  i, a = _the(ins)
   if a == len(_shape(e.invars[0])) - 1:
     raise NotSplittable(f"{_where(e)} ranks across examples")
-  return [Batched(a)] * len(e.outvars)
+  return [ins[i]] * len(e.outvars)
 
 
 def _reduce_window(e, ins, batch):
-  _, a = _the(ins)
+  i, a = _the(ins)
   p = e.params
   if (p["window_dimensions"][a] != 1 or p["window_strides"][a] != 1
       or tuple(p["padding"][a]) != (0, 0)):
     raise NotSplittable(f"{_where(e)} pools across examples")
-  return [Batched(a)] * len(e.outvars)
+  return [ins[i]] * len(e.outvars)
 
 
 def _conv(e, ins, batch):
@@ -238,10 +277,63 @@ def _conv(e, ins, batch):
     raise NotSplittable(f"{_where(e)} convolves with a per-example kernel")
   if ins[0].axis != dn.lhs_spec[0]:
     raise NotSplittable(f"{_where(e)} convolves along the batch axis")
-  return [Batched(dn.out_spec[0])]
+  return [ins[0].at(dn.out_spec[0])]
+
+
+def _scatter(e, ins, batch):
+  """A write beside the batch axis (`x.at[:, i].set(v)`: the same positions in every
+  example, the batch axis written whole), or, under `vmap`, at each example's own index
+  into its own row (operand and indices batched alike)."""
+  op, idx, up = ins[0], ins[1], ins[2]
+  dn = e.params["dimension_numbers"]
+  shapes = [_shape(v) for v in e.invars[:3]]
+  inserted, to_operand = tuple(dn.inserted_window_dims), tuple(dn.scatter_dims_to_operand_dims)
+  op_b = tuple(getattr(dn, "operand_batching_dims", ()))
+  idx_b = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+  windows = [d for d in range(len(shapes[0])) if d not in inserted and d not in op_b]
+  up_window = tuple(dn.update_window_dims)
+  tags = [t for t in (op, idx, up) if isinstance(t, Batched)]
+  if tags and len({t.segments for t in tags}) == 1:
+    t = tags[0]
+    if idx is None:
+      a = op.axis if isinstance(op, Batched) else (
+          windows[up_window.index(up.axis)] if up.axis in up_window else None)
+      if a is not None and a in windows and a not in to_operand:
+        ua = up_window[windows.index(a)]
+        if (shapes[2][ua] == shapes[0][a] and (op is None or op == t.at(a))
+            and (up is None or up == t.at(ua))):
+          return [t.at(a)]
+    elif isinstance(idx, Batched) and idx.axis in idx_b and idx.axis < len(shapes[1]) - 1:
+      a = op_b[idx_b.index(idx.axis)]
+      scatter_dims = [d for d in range(len(shapes[2])) if d not in up_window]
+      ua = scatter_dims[idx.axis]
+      if (op is None or op == t.at(a)) and (up is None or up == t.at(ua)):
+        return [t.at(a)]
+  raise NotSplittable(f"{_where(e)} writes at batch positions")
+
+
+_LINALG = frozenset({"cholesky", "eig", "eigh", "hessenberg", "householder_product", "lu",
+                     "qr", "schur", "svd", "triangular_solve", "tridiagonal", "geqrf",
+                     "geqp3", "ormqr", "symmetric_product", "cholesky_update"})
+
+
+def _linalg(e, ins, batch):
+  """Linear algebra on each example's own matrices: the batch on a leading dimension of
+  every operand, the matrices the last two (`solve_triangular`, `cholesky` under vmap)."""
+  layouts = {t for t in ins if isinstance(t, Batched)}
+  if len(layouts) == 1:
+    t = next(iter(layouts))
+    if all(t.axis < len(_shape(v)) - 2 for v in e.invars if len(_shape(v)) >= 2) and all(
+        len(v.aval.shape) > t.axis for v in e.outvars):
+      return [t] * len(e.outvars)
+  raise NotSplittable(f"{_where(e)} solves across the batch axis")
 
 
 RULES = {
+    **{name: _scatter for name in ("scatter", "scatter-add", "scatter_add", "scatter-mul",
+                                   "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+                                   "scatter_max")},
+    **{name: _linalg for name in _LINALG},
     "reduce_sum": _reduce_sum,
     **{name: _reduce_other for name in REDUCE_OTHER},
     "broadcast_in_dim": _broadcast_in_dim,

@@ -18,7 +18,15 @@ class NotSplittable(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Batched:
+  """Per example along `axis`: the batch is its major factor, or, with `segments` > 1, the
+  axis holds that many segments one after another, each with the batch as its major factor
+  (`concatenate([chosen, rejected])`: two segments of the batch)."""
   axis: int
+  segments: int = 1
+
+  def at(self, axis: int) -> "Batched":
+    """The same layout on another axis (a transpose, a squeeze, a scan's slice)."""
+    return Batched(axis, self.segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,24 +37,36 @@ class Position:
 class Reduced(enum.Enum):
   SUM = "sum"
   COMBINED = "combined"
+  # The largest (smallest) of per-example values of the parameters: split, the largest of
+  # the microbatches' largest; only returned as it is (a metric in has_aux), never read.
+  MAX = "max"
+  MIN = "min"
 
 
-SUM, COMBINED = Reduced.SUM, Reduced.COMBINED
+SUM, COMBINED, MAX, MIN = Reduced.SUM, Reduced.COMBINED, Reduced.MAX, Reduced.MIN
+EXTREMA = frozenset({MAX, MIN})
+
+
+def batch_long(n: int, batch: int) -> bool:
+  """Whether an axis of length n may hold the batch: n examples' worth of rows (the batch
+  merged with a sequence, `[B * L]`, is as much a position as `[B]`)."""
+  return batch >= 2 and n >= batch and n % batch == 0
 
 
 def constant_tag(value, batch: int) -> Position | None:
-  """A concrete constant's tag: a position along each axis of the batch's length along
-  which it is not the same everywhere (`np.tile([1, .25], n // 2)` weighs by position)."""
+  """A concrete constant's tag: a position along each axis a multiple of the batch's
+  length along which it is not the same everywhere (`np.tile([1, .25], n // 2)` weighs by
+  position)."""
   if isinstance(value, jax.core.Tracer) or not hasattr(value, "shape"):
     return None
   shape = tuple(getattr(value, "shape", ()))
-  if batch not in shape or batch < 2:
+  if not any(batch_long(d, batch) for d in shape):
     return None
   try:
     arr = np.asarray(value)
   except Exception:  # pylint: disable=broad-except  (not host-readable: assume the worst)
-    return Position(frozenset(i for i, d in enumerate(shape) if d == batch))
-  axes = frozenset(i for i, d in enumerate(shape) if d == batch
+    return Position(frozenset(i for i, d in enumerate(shape) if batch_long(d, batch)))
+  axes = frozenset(i for i, d in enumerate(shape) if batch_long(d, batch)
                    and not np.array_equal(arr, np.broadcast_to(
                        np.take(arr, [0], axis=i), arr.shape), equal_nan=arr.dtype.kind in "fc"))
   return Position(axes) if axes else None

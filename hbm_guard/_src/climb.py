@@ -44,6 +44,9 @@ class Attempt:
   auto: str | None = None  # what the drop-in analysis did with the step's gradient
   layout: tuple[str, ...] = ()  # where the batch and the largest state leaves were put
   estimate: step_time.Estimate | None = None  # a target's step time, from its program
+  # why the drop-in did not split the batch, met tracing the plans priced or compiled
+  # while choosing the next plan (a probe's, a compile's beside): "plan: why"
+  refused: tuple[str, ...] = ()
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -58,6 +61,7 @@ class Attempt:
         "skipped": [s.to_dict() for s in self.skipped],
         "planning": self.planning.to_dict() if self.planning is not None else None,
         "estimated_step": self.estimate.to_dict() if self.estimate is not None else None,
+        "refused": list(self.refused),
     }
 
 

@@ -60,15 +60,17 @@ class LadderExhaustedError(_OutOfMemory):
   def nothing_fits(cls, *, name: str, capacity: int | None, attempts: Sequence[Any],
                    need: int | None, scenario: str | None, summary: str,
                    above: Any = None, passed_over: Sequence[str] = (),
+                   refused: Sequence[tuple[str, str]] = (),
                    report_path: str | None) -> "LadderExhaustedError":
     tried = "; ".join(a.plan.describe() for a in attempts)
+    unsplit = "".join(f"The batch was not split ({plan}): {why} " for why, plan in refused[:2])
     hint = (f"Allowing max_class='{above.klass}' would fit: {above.plan} (predicted "
             f"{_fmt(above.predicted_bytes)}). " if above is not None else "")
     over = "".join(f"Passed over, {why}. " for why in passed_over[:3])
     return cls(f"hbm_guard: no plan fits {name} in {_fmt(capacity)} after {len(attempts)} "
                f"compile(s) (tried: {tried}); the last needed {_fmt(need)} ({scenario}: "
-               f"{summary}) {over}{hint}{_where(report_path)}", report_path=report_path,
-               attempts=attempts)
+               f"{summary}) {over}{unsplit}{hint}{_where(report_path)}",
+               report_path=report_path, attempts=attempts)
 
   @classmethod
   def remembered(cls, *, name: str, age_seconds: float, compiles: int, where: str,

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 from absl import logging
@@ -22,10 +22,10 @@ from hbm_guard._src import budget as budget_lib
 from hbm_guard._src import cache_key as cache_key_lib
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
-from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import errors
 from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import ledger as ledger_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
@@ -40,18 +40,8 @@ from hbm_guard._src.search import rivals as rivals_lib
 from hbm_guard._src.search import space
 
 Status = report_lib.Status
+AboveClass, Ledger = ledger_lib.AboveClass, ledger_lib.Ledger  # (where the fit writes)
 MAX_PROBE_WORKERS = 4  # probes side by side, at most (and no more than the host's cores)
-
-
-@dataclasses.dataclass(frozen=True)
-class AboveClass:
-  """A plan of a class above `max_class` that the probes predict would fit."""
-  klass: str
-  plan: str
-  predicted_bytes: int
-
-  def to_dict(self) -> dict[str, Any]:
-    return {"class": self.klass, "plan": self.plan, "predicted_bytes": self.predicted_bytes}
 
 
 def _probe_pool() -> concurrent.futures.ThreadPoolExecutor | None:
@@ -79,45 +69,6 @@ def above_class(driver: planner_lib.Driver | None,
     return None
   klass, choice = found
   return AboveClass(klass, choice.plan.describe(), choice.predicted_bytes)
-
-
-class Ledger:
-  """Every attempt of a guarded step, and its report, written after each attempt."""
-
-  def __init__(self, name: str, options: options_lib.GuardOptions, stem: str):
-    self.name, self.options = name, options
-    self.attempts: list[climb_lib.Attempt] = []
-    self._writer = report_lib.Writer(options.report_dir, stem)
-
-  @property
-  def path(self) -> str | None:
-    return self._writer.path
-
-  def record(self, attempt: climb_lib.Attempt) -> None:
-    """Every attempt is in the report before it is in the log: a kill loses neither."""
-    self.attempts.append(attempt)
-    if attempt.outcome is not compile_lib.Outcome.FITS:
-      self.write(Status.CLIMBING)
-    need = attempt.record.required_bytes if attempt.record else (attempt.memory or {}).get("peak")
-    logging.info("hbm_guard: %s attempt #%d [%s] %s: %s%s in %.1f s", self.name,
-                 attempt.number, attempt.signature, attempt.plan.describe(), attempt.outcome,
-                 f", needs {diagnose_lib.format_bytes(need)}" if need else "",
-                 attempt.seconds)
-
-  def write(self, status: Status, *, final_plan: plan_lib.Plan | None = None,
-            above: AboveClass | None = None, attempts: list[dict] | None = None,
-            note: str | None = None, timed: dict[str, Any] | None = None,
-            estimated: dict[str, Any] | None = None) -> bool:
-    o = self.options
-    data = report_lib.build(
-        function=self.name, status=status,
-        attempts=attempts if attempts is not None else [a.to_dict() for a in self.attempts],
-        final_plan=final_plan.to_dict() if final_plan is not None else None,
-        target=o.target.name if o.target else None, capacity_bytes=o.budget,
-        max_class=o.max_class, ladder=[r.to_dict() for r in o.ladder],
-        above_class=above.to_dict() if above else None, note=note, timed=timed,
-        estimated=estimated)
-    return self._writer.write(data)
 
 
 class Fit:
@@ -326,8 +277,16 @@ class Fit:
     finally:
       pool.shutdown(wait=False, cancel_futures=True)
 
+  def _refused(self, plan: plan_lib.Plan, why: str | None) -> None:
+    """A refusal met tracing `plan`, in the report and the progress line (once each)."""
+    if why and self.ledger.refuse(plan, why):
+      self.progress.stopped(f"{plan.describe()}: the batch was not split: {why}")
+      logging.info("hbm_guard: %s: the batch was not split under %s: %s", self.step.name,
+                   plan.describe(), why)
+
   def _paid(self, plan: plan_lib.Plan, trial: compile_lib.Trial) -> compile_lib.Trial:
     """A compile's seconds counted against the budget, and its line of progress."""
+    self._refused(plan, probing.refused(trial))
     if trial.outcome is compile_lib.Outcome.UNEVEN:  # traced, not compiled
       self.progress.stopped(f"{plan.describe()}: {trial.uneven} The climb takes a count "
                             f"that divides it.")
@@ -370,8 +329,9 @@ class Fit:
     return [functools.partial(self._read_probe, p, f) for p, f in zip(plans, futures)]
 
   def _read_probe(self, plan: plan_lib.Plan, future) -> tuple[int | None, float]:
-    need, seconds = self.budget.wait(future, budget_lib.Spend.PROBE)
+    need, seconds, why = self.budget.wait(future, budget_lib.Spend.PROBE)
     self.budget.record(budget_lib.Spend.PROBE, seconds)
+    self._refused(plan, why)
     self.progress.probed(plan.describe(), need, seconds)
     return need, seconds
 
@@ -445,4 +405,5 @@ class Fit:
     raise errors.LadderExhaustedError.nothing_fits(
         name=name, capacity=rec.available_bytes, attempts=attempts, need=rec.required_bytes,
         scenario=diag.scenario, summary=diag.summary, above=above, passed_over=list(gap),
+        refused=list(self.ledger.refused.items()),
         report_path=self.ledger.path if written else None) from trial.error

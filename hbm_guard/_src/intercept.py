@@ -16,21 +16,28 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import jax
 
 from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
+from hbm_guard._src import batch_context
 from hbm_guard._src import errors
 from hbm_guard._src import layers as layers_lib
+from hbm_guard._src import loss_split
 from hbm_guard._src import microbatch
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import swap
 
-_ACTIVE: contextvars.ContextVar[auto_grad.Context | None] = contextvars.ContextVar(
+# A failure inside the analysis or the rewrite is a bug of the guard's: where set (the
+# tests set HBM_GUARD_RAISE_INTERNAL=1), it is raised instead of turned into a refusal.
+RAISE_INTERNAL = os.environ.get("HBM_GUARD_RAISE_INTERNAL") == "1"
+INTERNAL_ERROR = "a bug in hbm_guard"
+_ACTIVE: contextvars.ContextVar[batch_context.Context | None] = contextvars.ContextVar(
     "hbm_guard_auto", default=None)
 _SWAP = swap.WhileTracing()
 _ORIGINAL = {"value_and_grad": jax.value_and_grad, "grad": jax.grad}
@@ -54,7 +61,7 @@ _FOLLOW_BOUND = _jax_api is not None and _VALUE_AND_GRAD_F is not None and hasat
 
 
 @contextlib.contextmanager
-def intercepting(ctx: auto_grad.Context | None) -> Iterator[None]:
+def intercepting(ctx: batch_context.Context | None) -> Iterator[None]:
   """Routes this context's `jax.value_and_grad` / `jax.grad` calls to `auto_grad`."""
   if ctx is None:
     yield
@@ -166,7 +173,7 @@ class Found:
     return "; ".join(parts)
 
 
-def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
+def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, own):
   """The gradient under the plan in force; jax's own where nothing applies."""
   before = plan_lib.reads_now()
   differentiated = [x for i in auto_grad.normalized_argnums(argnums, len(args))
@@ -182,19 +189,11 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
   if "microbatches" in helpers:
     return own(*args, **kwargs)  # the step splits its own batch
   split, refused = _analyse(t, ctx.batch_size)
-  lead = whole.leading_only().beside(differentiated)
-  if refused is not None and (any(t.axes) or lead.batch_size != ctx.batch_size):
-    # Refused with the batch on other axes too: as it was split before, on first axes.
-    try:
-      t0 = auto_grad.trace(fun, argnums, args, kwargs, lead)
-    except Exception:  # pylint: disable=broad-except  (the refusal above stands)
-      t0 = None
-    if t0 is not None:
-      split0, refused0 = _analyse(t0, lead.batch_size)
-      if split0 is not None or lead.batch_size:
-        ctx, t, split, refused = lead, t0, split0, refused0
+  if refused is not None:
+    ctx, t, split, refused = _other_readings(fun, argnums, args, kwargs, whole, differentiated,
+                                             ctx, t, refused)
   batch = ctx.batch_size
-  described = tuple(auto_grad.describe_leaf(x) + (f" (batch on axis {a})" if a else "")
+  described = tuple(batch_context.describe_leaf(x) + (f" (batch on axis {a})" if a else "")
                     for x, a in zip(t.inputs()[2], t.axes))
   try:
     segments, layers = layers_lib.segments(t.prog, range(len(t.prog.eqns)),
@@ -203,6 +202,8 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
     segments, layers = [], None
   if "remat_policy" in helpers:
     layers = None
+  elif layers and (checkpointed := loss_split.own_checkpoints(t.prog)):
+    layers = f"{layers}; {checkpointed}"
   found = Found(_name(fun, ctx), described, split and split.description, refused, layers)
   _note(found)
   k = plan_lib.plan_value("microbatches") if split is not None else 1
@@ -220,13 +221,51 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: auto_grad.Context, own):
                                           _ORIGINAL["value_and_grad"], constrain)
     else:
       return own(*args, **kwargs)
+  except batch_axis.NotSplittable as e:
+    _note(dataclasses.replace(found, split=None, refused=str(e)), again=True)
+    return own(*args, **kwargs)
   except Exception as e:  # pylint: disable=broad-except  (never the user's step's failure)
-    why = str(e) if isinstance(e, batch_axis.NotSplittable) else (
-        f"the rewrite failed ({type(e).__name__}: {e!s:.120}); please report it")
-    _note(dataclasses.replace(found, split=None, refused=why))
+    if RAISE_INTERNAL:
+      raise
+    why = internal_error("rewrite", e)
+    _note(dataclasses.replace(found, split=None, refused=why), again=True)
     return own(*args, **kwargs)
   out, grads = auto_grad.unflatten(t, outs, grads, args)
   return out, grads[0] if isinstance(argnums, int) else tuple(grads)
+
+
+_MAX_READINGS = 6  # readings of which arguments hold the batch, tried in turn
+
+
+def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, differentiated,
+                    ctx: batch_context.Context, t: auto_grad.Traced, refused: str):
+  """Where the batch as first read is refused, the other readings of where it is, in turn:
+  on first axes alone (as it was read before batches on other axes), each leaf on its own
+  (a class table beside the batch in one tuple), the batch only in the step's own arrays
+  (not another network's parameters passed to the loss, nor a vector the step computed as
+  long as the batch and the loss closes over), the other sizes the
+  arguments hold (a time-major step whose sequence outnumbers the batch; a gradient in the
+  step's own loop over minibatches). Which reading is a designation, not
+  a proof: the analysis splits along it exactly or refuses. The first that splits is
+  taken; else the refusal of the first axes' reading, as before."""
+  lead = whole.leading_only().beside(differentiated)
+  readings = [lead] if (any(t.axes) or lead.batch_size != ctx.batch_size) else []
+  own = [x for i, a in enumerate(args) if i not in t.diff for x in jax.tree.leaves(a)]
+  k = plan_lib.peek("microbatches")
+  readings += [c for c in (ctx.step_inputs(), ctx.leafwise(), *ctx.other_sizes(own))
+               if c not in readings and (k == 1 or (c.batch_size or 1) % k == 0)]
+  reported = (ctx, t, None, refused)
+  for other in readings[:_MAX_READINGS]:
+    try:
+      t1 = auto_grad.trace(fun, argnums, args, kwargs, other)
+    except Exception:  # pylint: disable=broad-except  (the refusal above stands)
+      continue
+    split1, refused1 = _analyse(t1, other.batch_size)
+    if split1 is not None:
+      return other, t1, split1, None
+    if (other is lead and lead.batch_size) or not reported[1].inputs()[2]:
+      reported = (other, t1, None, refused1)  # (a reading that found the batch says more)
+  return reported
 
 
 def _analyse(t: auto_grad.Traced, batch: int | None):
@@ -235,11 +274,21 @@ def _analyse(t: auto_grad.Traced, batch: int | None):
     if not batch:
       raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
                                      "arguments have no leading axis)")
-    return auto_grad.analyse(t, batch, plan_lib.peek("microbatches") > 1), None
+    k = plan_lib.peek("microbatches")
+    return loss_split.analyse(t, batch, k if k > 1 and batch % k == 0 else 1), None
   except batch_axis.NotSplittable as e:
     return None, str(e)
   except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)
-    return None, f"the analysis failed ({type(e).__name__}: {e!s:.120}); please report it"
+    if RAISE_INTERNAL:
+      raise
+    return None, internal_error("analysis", e)
+
+
+def internal_error(stage: str, e: Exception) -> str:
+  """A refusal that is hbm_guard's bug, not the step's: said so, with what to report."""
+  return (f"{INTERNAL_ERROR}: the drop-in's {stage} failed on this loss ({type(e).__name__}: "
+          f"{e!s:.160}); the step runs jax's own gradient. Please report it at "
+          f"https://github.com/hbm-guard/hbm_guard/issues with this message")
 
 
 def _name(fun, ctx) -> str:
@@ -247,5 +296,19 @@ def _name(fun, ctx) -> str:
   return f"{name}` in `{ctx.step_name}"
 
 
-def _note(found: Found) -> None:
-  plan_lib.note(auto=found.describe(), auto_refused=found.refused)
+def _note(found: Found, again: bool = False) -> None:
+  """Adds the analysis of one gradient to the trace's notes (`again`: replaces the last,
+  the same gradient's). Each gradient is described; the batch counts as not split only
+  where no gradient split it, whatever the order of the calls (a refused one runs jax's
+  own gradient beside the others' microbatches)."""
+  found_so_far = plan_lib.noted("gradients")
+  if again and found_so_far:
+    found_so_far = found_so_far[:-1]
+  found_so_far += (found,)
+  several = len(found_so_far) > 1
+  refusals = [(f"{f.where.split('`', 1)[0]}: " if several else "") + f.refused
+              for f in found_so_far if f.refused is not None]
+  split = any(f.split is not None for f in found_so_far)
+  plan_lib.note(gradients=found_so_far,
+                auto=" | ".join(f.describe() for f in found_so_far),
+                auto_refused=None if split or not refusals else " | ".join(refusals))

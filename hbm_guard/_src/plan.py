@@ -174,6 +174,7 @@ class TraceNotes:
   optimizer_streaming: str | None = None  # "streamed" | "whole": how offload brought it in
   auto: str | None = None  # what the drop-in analysis found in the step's gradient
   auto_refused: str | None = None  # why it did not split the batch, when it did not
+  gradients: tuple = ()  # each gradient the analysis met, in the order of the calls
 
 
 @dataclasses.dataclass
@@ -221,6 +222,12 @@ def reads_now() -> frozenset[str]:
   """The plan fields read so far in this trace (empty outside a guard)."""
   scope = _SCOPE.get()
   return frozenset(scope.reads) if scope is not None else frozenset()
+
+
+def noted(name: str) -> Any:
+  """What was noted so far in this trace under `name` (a TraceNotes field)."""
+  scope = _SCOPE.get()
+  return getattr(scope.notes if scope is not None else TraceNotes(), name)
 
 
 def note(**notes: Any) -> None:

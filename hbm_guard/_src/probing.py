@@ -14,10 +14,18 @@ from hbm_guard._src import plan as plan_lib
 Backend = backend_lib.Backend
 
 
+def refused(trial: compile_lib.Trial) -> str | None:
+  """Why a microbatch plan's trace did not split a drop-in step's batch (None where it
+  did, or where the plan does not split it)."""
+  if trial.plan.microbatches > 1 and trial.facts is not None:
+    return trial.facts.auto_refused
+  return None
+
+
 def figure(trial: compile_lib.Trial) -> int | None:
   """A probe's figure; None where it is not the plan's (a drop-in step whose batch this
   plan's trace could not split compiled the whole batch under a microbatch plan's name)."""
-  if trial.plan.microbatches > 1 and trial.facts is not None and trial.facts.auto_refused:
+  if refused(trial):
     return None
   if trial.record is not None:
     return trial.record.required_bytes
@@ -25,15 +33,18 @@ def figure(trial: compile_lib.Trial) -> int | None:
 
 
 def probe(backend: Backend, plan: plan_lib.Plan, key, args, kwargs, low_effort: bool = False
-          ) -> int | None:
-  """What `plan` needs, cheaply: libtpu's early figure, or a full compile's peak."""
-  return figure(backend.compile(plan, key, args, kwargs, probe=True, low_effort=low_effort))
+          ) -> tuple[int | None, str | None]:
+  """What `plan` needs, cheaply (libtpu's early figure, or a full compile's peak), and why
+  its trace did not split the batch where it did not."""
+  trial = backend.compile(plan, key, args, kwargs, probe=True, low_effort=low_effort)
+  return figure(trial), refused(trial)
 
 
 def start_probes(backend: Backend, plans: Sequence[plan_lib.Plan], key, args, kwargs,
                  low_effort: bool = False, pool: concurrent.futures.Executor | None = None
                  ) -> list[concurrent.futures.Future]:
-  """Probes of `plans`, as futures of (figure, seconds). Given a pool, and a backend that
+  """Probes of `plans`, as futures of (figure, seconds, why not split). Given a pool, and a
+  backend that
   can stage them, each is lowered here and compiled in the pool: beside the others, and
   beside whatever this thread does next (two dear probes at 368M took the wall time of
   one, on 2 cores). Otherwise each runs here, now."""
@@ -42,12 +53,12 @@ def start_probes(backend: Backend, plans: Sequence[plan_lib.Plan], key, args, kw
     for plan in plans:
       done: concurrent.futures.Future = concurrent.futures.Future()
       t0 = time.perf_counter()
-      done.set_result((probe(backend, plan, key, args, kwargs, low_effort),
-                       time.perf_counter() - t0))
+      need, why = probe(backend, plan, key, args, kwargs, low_effort)
+      done.set_result((need, time.perf_counter() - t0, why))
       out.append(done)
     return out
   def run(ready):
     trial = ready()
-    return figure(trial), trial.seconds
+    return figure(trial), trial.seconds, refused(trial)
   return [pool.submit(run, backend.staged_probe(plan, key, args, kwargs, low_effort))
           for plan in plans]

@@ -31,7 +31,8 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
           max_class: str, ladder: list[dict[str, Any]], note: str | None = None,
           above_class: dict[str, Any] | None = None,
           timed: dict[str, Any] | None = None,
-          estimated: dict[str, Any] | None = None) -> dict[str, Any]:
+          estimated: dict[str, Any] | None = None,
+          refused: list[dict[str, str]] | None = None) -> dict[str, Any]:
   """The report as a dict. status: climbing | fits | exhausted | diagnosed | failed."""
   last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
   withheld = sorted({s["rung"] for a in attempts for s in a.get("skipped", ())
@@ -52,6 +53,7 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
       "above_class": above_class,
       "timed": timed,  # the plans timed on the first steps, and why the one in force won
       "estimated": estimated,  # a target's rivals compiled, each its estimated step
+      "refused": refused or [],  # why the drop-in did not split the batch, under which plan
       "attempts": attempts,
       "ladder": ladder,
       "note": note,
@@ -301,6 +303,8 @@ def render(data: dict[str, Any]) -> str:
       lines.append(f"      estimated step time: {estimated:.3f} ms ({ESTIMATE_SOURCE})")
     for s in a.get("skipped", ()):
       lines.append(f"      skipped {s['rung']}: {s['reason']}")
+    for r in a.get("refused") or ():
+      lines.append(f"      not split under {r}")
     planning = a.get("planning") or {}
     for pr in planning.get("probes", ()):
       lines.append(f"      {made_as(pr)} {pr['plan']}: needs {fmt(pr['need_bytes'])} "
@@ -322,6 +326,8 @@ def render(data: dict[str, Any]) -> str:
     lines.append(f"  compiled for the target and compared ({estimated.get('why')}):")
     for e in estimated["plans"]:
       lines.append(f"    {e.get('plan')}: {compared(e)}")
+  for r in data.get("refused") or ():
+    lines.append(f"  the batch was not split ({r.get('plan')}): {r.get('why')}")
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
   allocs = data.get("largest_allocations") or ()

@@ -137,6 +137,7 @@ def render(data: dict[str, Any]) -> str:
     need = rec.get("used_bytes") or rec.get("temp_bytes") or (a.get("memory") or {}).get("peak")
     notes = report_lib.forms(a)
     notes += [f"skipped {s['rung']}: {s['reason']}" for s in a.get("skipped", ())]
+    notes += [f"not split under {r}" for r in a.get("refused") or ()]
     planning = a.get("planning") or {}
     notes += [f"{report_lib.made_as(p)} {p['plan']}: {_fmt(p['need_bytes'])}"
               for p in planning.get("probes", ())]
@@ -188,6 +189,10 @@ def render(data: dict[str, Any]) -> str:
     speeds += (f"<h2>Compared on the target</h2><p class='muted'>{_e(estimated.get('why'))}"
                "</p><table><tr><th>plan (the search's choice first)</th><th>estimated step"
                f"</th></tr>{rivals}</table>")
+  refused = "".join(f"<li><b>{_e(r.get('plan'))}</b>: {_e(r.get('why'))}</li>"
+                    for r in data.get("refused") or [])
+  if refused:
+    refused = f"<h2>The batch was not split</h2><ul>{refused}</ul>"
   title = f"hbm_guard: {data.get('function')}"
   return f"""<!doctype html><html><head><meta charset="utf-8"><title>{_e(title)}</title>
 <style>{_CSS}</style></head><body>
@@ -199,6 +204,7 @@ def render(data: dict[str, Any]) -> str:
 <h2>Attempts</h2><table><tr><th>#</th><th>plan</th><th>outcome</th><th>needs</th><th>time</th>
 <th>why the next plan</th></tr>{''.join(rows)}</table>
 <h2>Diagnosis</h2>{diag or '<p class="muted">no out-of-memory recorded</p>'}
+{refused}
 <h2>Largest allocations</h2>{('<table><tr><th>size</th><th>shape</th><th>padding</th><th>what</th><th>source</th></tr>' + ''.join(allocs) + '</table>') if allocs else '<p class="muted">the compiler listed none</p>'}
 <h2>Plan in force</h2>{_pin(data) if status == 'fits' else '<p class="muted">none: the step does not fit</p>'}
 {speeds}

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hbm_guard._src import auto_grad
 from hbm_guard._src import auto_offload
+from hbm_guard._src import batch_context
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
 from hbm_guard._src import flop_count
@@ -140,7 +140,7 @@ class StepBuilder:
       key = self.key(args, kwargs)
       if allowed is not None and key not in allowed:
         raise NewSignature(key)
-      auto = auto_grad.Context.from_args(
+      auto = batch_context.Context.from_args(
           args, kwargs, state_argnums, self.static(len(args)), self.name,
           mesh) if self.options.auto_plan_aware else None
       with plan_lib.plan_scope(plan) as scope, intercept.intercepting(auto):

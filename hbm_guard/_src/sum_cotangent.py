@@ -58,7 +58,8 @@ def known_in_advance(loss: Callable, dep_avals, free_avals, diff) -> bool:
   return not any(flat.is_var(v) and v in reached for v in prog.outvars)
 
 
-def value(loss: Callable, dep_avals, free_totals, diff) -> list:
-  """The cotangent of the dependent sums (known in advance: evaluated at zero sums)."""
-  zeros = [jnp.zeros(a.shape, a.dtype) for a in dep_avals]
-  return list(jax.grad(loss, argnums=0)(zeros, list(free_totals), list(diff)))
+def value(loss: Callable, dep_avals, free_totals, diff, dep_totals=None) -> list:
+  """The cotangent of the dependent sums at their totals (`dep_totals`); known in advance,
+  it reads none of them, and is evaluated at zero sums."""
+  at = dep_totals if dep_totals is not None else [jnp.zeros(a.shape, a.dtype) for a in dep_avals]
+  return list(jax.grad(loss, argnums=0)(list(at), list(free_totals), list(diff)))

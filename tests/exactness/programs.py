@@ -151,19 +151,35 @@ def random_program(rng: random.Random, max_ops: int = 4) -> Program:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  program: Program
+  program: object  # a Program or a token_programs.TokenProgram
   split: bool
   distance: float
   error: str | None = None  # a crash jax.jit does not have
+  distance64: float | None = None  # the same in float64, where `distance` > RTOL
+  refused: str | None = None
 
   @property
   def silently_different(self) -> bool:
-    return self.split and self.distance > harness.RTOL
+    """Split, and apart from jax.jit by more than rounding (checked in float64)."""
+    return self.split and self.distance > harness.RTOL and (
+        self.distance64 is None or harness.semantic(self.distance, self.distance64))
+
+  @property
+  def rounding(self) -> bool:
+    """Split, apart by more than RTOL in float32, by rounding only (float64 agrees)."""
+    return self.split and self.distance > harness.RTOL and not self.silently_different
+
+  @property
+  def internal_error(self) -> bool:
+    """A refusal that says it is the guard's own bug."""
+    from hbm_guard._src import intercept  # pylint: disable=import-outside-toplevel
+    return bool(self.refused) and intercept.INTERNAL_ERROR in self.refused
 
 
-def judge(program: Program, steps: int = 1, run_refused: bool = True) -> Verdict:
+def judge(program, steps: int = 1, run_refused: bool = True) -> Verdict:
   """The program under its microbatch plan against jax.jit (a refused one only traced,
-  unless `run_refused`: it runs jax's own gradient)."""
+  unless `run_refused`: it runs jax's own gradient); a split apart by more than RTOL is
+  run again in float64."""
   from hbm_guard._src import plan as plan_lib  # pylint: disable=import-outside-toplevel
   case = program.case()
   try:
@@ -175,7 +191,7 @@ def judge(program: Program, steps: int = 1, run_refused: bool = True) -> Verdict
     except Exception:  # pylint: disable=broad-except  (jax.jit fails too: not the guard's)
       return Verdict(program, False, 0.0)
     return Verdict(program, False, 0.0, f"{type(e).__name__}: {e}"[:300])
-  return Verdict(program, out.split, out.distance)
+  return Verdict(program, out.split, out.distance, None, out.distance64, out.refused)
 
 
 def _split(made: Sequence) -> tuple:

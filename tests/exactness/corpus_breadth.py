@@ -1,0 +1,419 @@
+"""Steps large models are written with (issue 55): the user's own checkpoints, MoE load
+balancing, DPO's concatenated forward, batch-length constants, positions over a flattened
+token axis, and the less common shapes beside them. Each registers into `corpus.CASES`.
+
+Written after the analysis gained their rules, by the same hand: the outside reading in
+BENCHMARKS.md (steps nobody here wrote) is the check on them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import nnx
+
+from tests.exactness.corpus import B, C, D, H, _labels, _normal, _x, case, mlp, mlp_params, sgd
+
+L = 6  # tokens per example
+
+
+def _xy():
+  return mlp_params(), _x(), _labels()
+
+
+def _tokens(seed=30):
+  return _normal(seed, (B, L, D), 1.0)
+
+
+def _block(p, h):
+  return jnp.tanh(h @ p["w1"][:, :D] + p["b1"][:D]) + h
+
+
+# ---------------------------------------------------------------- the user's checkpoints
+@case("user_checkpoint_block", expect_split=True)
+def _():
+  def loss(p, x, y):
+    h = jax.checkpoint(_block)(p, x)
+    h = jax.checkpoint(_block)(p, h)
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, h), y).mean()
+  return sgd(loss), _xy
+
+
+@case("user_checkpoint_policy_dots", expect_split=True)
+def _():
+  block = jax.checkpoint(_block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, block(p, block(p, x))), y).mean()
+  return sgd(loss), _xy
+
+
+@case("user_checkpoint_names_offload", expect_split=True)
+def _():
+  from jax.ad_checkpoint import checkpoint_name  # pylint: disable=import-outside-toplevel
+  policy = jax.checkpoint_policies.save_only_these_names("hidden")
+
+  def block(p, h):
+    return checkpoint_name(_block(p, h), "hidden")
+
+  def loss(p, x, y):
+    h = jax.checkpoint(block, policy=policy)(p, x)
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, h), y).mean()
+  return sgd(loss), _xy
+
+
+@case("linen_remat_blocks", expect_split=True)
+def _():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.tanh(nn.Dense(D)(x))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(3):
+        x = nn.remat(Block, policy=jax.checkpoint_policies.nothing_saveable)()(x)
+      return nn.Dense(C)(x)
+  model = Net()
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+  return sgd(loss), lambda: (model.init(jax.random.key(0), _x()), _x(), _labels())
+
+
+@case("linen_scan_of_remat_blocks", expect_split=True)
+def _():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + nn.tanh(nn.Dense(D)(x)), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=3)
+      x, _ = stack()(x, None)
+      return nn.Dense(C)(x)
+  model = Net()
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+  return sgd(loss), lambda: (model.init(jax.random.key(0), _x()), _x(), _labels())
+
+
+@case("nnx_remat_layers", expect_split=True)
+def _():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(D, 2 * D, rngs=rngs)  # (activations outweigh the parameters)
+      self.layers = nnx.List([nnx.Linear(2 * D, 2 * D, rngs=rngs) for _ in range(2)])
+      self.head = nnx.Linear(2 * D, C, rngs=rngs)
+
+    def __call__(self, x):
+      x = self.up(x)
+      for layer in self.layers:
+        x = nnx.remat(lambda m, h: h + jnp.tanh(m(h)))(layer, x)
+      return self.head(x)
+
+  def step(state, x, y):
+    model = nnx.merge(*state)
+
+    def loss_fn(m):
+      return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+    loss, g = nnx.value_and_grad(loss_fn)(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda a, b: a - 0.1 * b, params, g))
+    return nnx.split(model), {"loss": loss}
+  return step, lambda: (nnx.split(Net(nnx.Rngs(0))), _x(), _labels())
+
+
+# ---------------------------------------------------- constants and positions of the batch
+@case("padding_mask_over_flat_tokens", expect_split=True)
+def _():
+  def loss(p, x, n_valid):
+    per_token = jnp.sum(mlp(p, x) ** 2, -1).reshape(-1)  # [B * L]
+    valid = jnp.arange(x.shape[0] * x.shape[1]) < n_valid * x.shape[1]
+    return jnp.sum(per_token * valid) / jnp.sum(valid)
+  return sgd(loss), lambda: (mlp_params(), _tokens(), jnp.int32(B // 3))
+
+
+@case("position_weights_flat_time_major", expect_split=True)
+def _():
+  def loss(p, x, y):
+    per = jnp.sum(mlp(p, x) ** 2, -1)  # [B, L]
+    flat = per.reshape(-1)
+    w = 1.0 + jnp.arange(flat.shape[0]) % L / L  # a weight by token position
+    return jnp.mean(flat * w)
+  return sgd(loss), lambda: (mlp_params(), _tokens(), _labels())
+
+
+@case("infonce_positive_at_zero", expect_split=True)
+def _():
+  def loss(p, q, candidates):
+    e = mlp(p, q)
+    scores = jnp.einsum("bc,bnc->bn", e, mlp(p, candidates)) / 0.1
+    labels = jnp.zeros(q.shape[0], jnp.int32)  # each example's own candidates: the first
+    return optax.softmax_cross_entropy_with_integer_labels(scores, labels).mean()
+  return sgd(loss), lambda: (mlp_params(), _x(), _normal(31, (B, 5, D), 1.0))
+
+
+@case("labels_of_ones_for_a_discriminator", expect_split=True)
+def _():
+  def loss(p, x, y):
+    logits = mlp(p, x)[:, 0]
+    return optax.sigmoid_binary_cross_entropy(logits, jnp.ones(x.shape[0])).mean()
+  return sgd(loss), _xy
+
+
+@case("weights_from_the_batch_size", expect_split=True)
+def _():
+  def loss(p, x, y):
+    w = jnp.full((x.shape[0],), 1.0 / x.shape[0])
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y) * w)
+  return sgd(loss), _xy
+
+
+@case("statistic_broadcast_by_where", expect_split=True)
+def _():
+  def loss(p, x, y):
+    scale = jnp.where(x[:, 0] > 0, jnp.mean(jnp.abs(x[:, 1])), 1.0)
+    return jnp.mean(jnp.sum(mlp(p, x) ** 2, -1) * scale)
+  return sgd(loss), _xy
+
+
+@case("bias_table_read_by_position", expect_split=True)
+def _():
+  def loss(p, x, y):
+    bias = p["per_slot"][jnp.arange(x.shape[0]) % 8]  # a learnt bias per slot of the batch
+    return jnp.mean((mlp(p, x)[:, 0] + bias) ** 2)
+  return sgd(loss), lambda: ({**mlp_params(), "per_slot": _normal(32, (8,))}, _x(), _labels())
+
+
+# ------------------------------------------------------------------------ sums of the batch
+@case("moe_load_balancing", expect_split=True)
+def _():
+  E = 4
+
+  def loss(p, x, y):
+    router = x @ p["router"]  # [B, E]
+    probs = jax.nn.softmax(router)
+    f = jnp.mean(jax.nn.one_hot(jnp.argmax(router, -1), E), 0)  # no gradient reaches it
+    balance = E * jnp.sum(f * jnp.mean(probs, 0))
+    z = jnp.mean(jax.nn.logsumexp(router, -1) ** 2)
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y).mean() + 0.01 * (
+        balance + 0.1 * z)
+  return sgd(loss), lambda: ({**mlp_params(), "router": _normal(33, (D, E))}, _x(), _labels())
+
+
+@case("many_sums_of_the_parameters", expect_split=True)
+def _():
+  def loss(p, x, y):
+    o = mlp(p, x)  # a function of 2 * C + 1 sums of the parameters: none known in advance
+    return (jnp.sum(jnp.log(jnp.mean(o ** 2, 0) + 1.0) * jnp.log(jnp.mean(jnp.abs(o), 0) + 1.0))
+            + jnp.log(jnp.mean(o[:, 0] ** 2) + 2.0))
+  return sgd(loss), _xy
+
+
+# --------------------------------------------------------------------- the batch in segments
+@case("dpo_concatenated_forward", expect_split=True)
+def _():
+  def loss(p, chosen, rejected, ref_chosen, ref_rejected):
+    both = jnp.concatenate([chosen, rejected])
+    logp = jnp.sum(jax.nn.log_softmax(mlp(p, both)), -1)
+    n = chosen.shape[0]
+    margin = (logp[:n] - ref_chosen) - (logp[n:] - ref_rejected)
+    return -jax.nn.log_sigmoid(0.1 * margin).mean()
+  return sgd(loss), lambda: (mlp_params(), _x(40), _x(41), _normal(42, (B,), 1.0),
+                             _normal(43, (B,), 1.0))
+
+
+@case("two_views_split_back", expect_split=True)
+def _():
+  def loss(p, x, y):
+    views = jnp.concatenate([x, x[:, ::-1]], axis=0)
+    a, b = jnp.split(mlp(p, views), 2)
+    return jnp.mean((a - b) ** 2) + optax.softmax_cross_entropy_with_integer_labels(a, y).mean()
+  return sgd(loss), _xy
+
+
+@case("segments_reshaped_apart", expect_split=True)
+def _():
+  def loss(p, chosen, rejected):
+    scores = jnp.sum(mlp(p, jnp.concatenate([chosen, rejected])), -1)
+    pair = scores.reshape(2, -1)  # [chosen; rejected] as two rows
+    return -jax.nn.log_sigmoid(pair[0] - pair[1]).mean()
+  return sgd(loss), lambda: (mlp_params(), _x(44), _x(45))
+
+
+# ----------------------------------------------------------------------- less common shapes
+@case("per_example_keys", expect_split=True)
+def _():
+  def loss(p, x, keys):
+    def one(xi, k):
+      keep = jax.random.bernoulli(k, 0.8, (H,))
+      return jnp.sum(((jnp.tanh(xi @ p["w1"]) * keep) @ p["w2"]) ** 2)
+    return jnp.mean(jax.vmap(one)(x, keys))
+  return sgd(loss), lambda: (mlp_params(), _x(), jax.random.split(jax.random.key(5), B))
+
+
+@case("batch_tuple_with_a_table", expect_split=True)
+def _():
+  def loss(p, batch):
+    x, y, table = batch
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, x) @ table, y).mean()
+  return sgd(loss), lambda: (mlp_params(), (_x(), _labels(), _normal(46, (C, C), 1.0)))
+
+
+@case("apply_fn_as_an_argument", expect_split=True)
+def _():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(C)(nn.tanh(nn.Dense(H)(x)))
+  model = Net()
+
+  def step(params, x, y):
+    def loss_fn(p, apply_fn, x, y):
+      return optax.softmax_cross_entropy_with_integer_labels(apply_fn(p, x), y).mean()
+    loss, g = jax.value_and_grad(loss_fn)(params, model.apply, x, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), {"loss": loss}
+  return step, lambda: (model.init(jax.random.key(0), _x()), _x(), _labels())
+
+
+@case("time_major_sequence_outnumbers_the_batch", expect_split=True)
+def _():
+  def loss(p, xs, mask, y):
+    def cell(h, x):
+      return jnp.tanh(x @ p["w1"] + h @ p["wh"]), None
+    h, _ = jax.lax.scan(cell, jnp.zeros((xs.shape[1], H)), xs * mask[..., None])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"], y).mean()
+  T = 2 * B  # the sequence's axis is the commonest first axis: [T, B, D], [T, B] beside [B]
+  return sgd(loss), lambda: ({**mlp_params(), "wh": _normal(54, (H, H), 0.05)},
+                             _normal(47, (T, B, D), 1.0),
+                             (jax.random.uniform(jax.random.key(48), (T, B)) > 0.2)
+                             .astype(jnp.float32), _labels())
+
+
+@case("ctc_loss", expect_split=True)
+def _():
+  T, K = 10, 5
+
+  def loss(p, x, labels, logit_pad, label_pad):
+    logits = jnp.tanh(x @ p["w1"]) @ p["out"]
+    return optax.ctc_loss(logits, logit_pad, labels, label_pad).mean()
+  return sgd(loss), lambda: (
+      {**mlp_params(), "out": _normal(49, (H, K))}, _normal(50, (B, T, D), 1.0),
+      jax.random.randint(jax.random.key(51), (B, 4), 1, K),
+      (jnp.arange(T)[None] >= jax.random.randint(jax.random.key(52), (B, 1), 6, T + 1))
+      .astype(jnp.float32), jnp.zeros((B, 4)))
+
+
+@case("write_beside_the_batch_axis", expect_split=True)
+def _():
+  def loss(p, x, y):
+    h = jnp.tanh(x @ p["w1"]).at[:, 0].set(1.0).at[:, 1].add(x[:, 0])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"], y).mean()
+  return sgd(loss), _xy
+
+
+@case("per_example_triangular_solve", expect_split=True)
+def _():
+  def loss(p, x, y):
+    a = jnp.eye(3) + 0.1 * jnp.tril(jnp.einsum("bi,bj->bij", x[:, :3], x[:, :3]))
+    h = jax.scipy.linalg.solve_triangular(a, jnp.tanh(x @ p["w1"])[:, :3, None], lower=True)
+    return jnp.mean(h ** 2)
+  return sgd(loss), _xy
+
+
+@case("cond_on_the_optimizer_step", expect_split=True)
+def _():
+  def step(state, x, y):
+    params, count = state
+
+    def loss(p, x, y, count):
+      ce = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y).mean()
+      return jax.lax.cond(count > 1, lambda: ce, lambda: 2.0 * ce)
+    l, g = jax.value_and_grad(loss)(params, x, y, count)
+    return (jax.tree.map(lambda a, b: a - 0.1 * b, params, g), count + 1), {"loss": l}
+  return step, lambda: ((mlp_params(), jnp.int32(0)), _x(), _labels())
+
+
+@case("log_probs_of_actions_by_arange", expect_split=True)
+def _():
+  def loss(p, obs, actions, returns):
+    logp = jax.nn.log_softmax(mlp(p, obs))
+    chosen = logp[jnp.arange(obs.shape[0]), actions]  # each example its own row
+    return -jnp.mean(chosen * returns)
+  return sgd(loss), lambda: (mlp_params(), _x(), _labels(), _normal(55, (B,), 1.0))
+
+
+@case("rows_shifted_by_one", expect_split=False)
+def _():
+  def loss(p, x, y):  # each example reads its neighbour's row: examples interact
+    logp = jax.nn.log_softmax(mlp(p, x))
+    return -jnp.mean(logp[(jnp.arange(x.shape[0]) + 1) % x.shape[0], y])
+  return sgd(loss), _xy
+
+
+# ------------------------------------------------------------- examples that interact: refused
+@case("softmax_over_the_batch", expect_split=False)
+def _():
+  return sgd(lambda p, x, y: -jnp.mean(jax.nn.log_softmax(mlp(p, x)[:, 0]))), _xy
+
+
+@case("pairwise_example_distances", expect_split=False)
+def _():
+  def loss(p, x, y):
+    e = mlp(p, x)
+    d = jnp.sum((e[:, None] - e[None]) ** 2, -1)
+    return jnp.mean(jnp.exp(-d))
+  return sgd(loss), _xy
+
+
+@case("batch_hard_triplets", expect_split=False)
+def _():
+  def loss(p, x, y):
+    e = mlp(p, x)
+    d = jnp.sqrt(jnp.sum((e[:, None] - e[None]) ** 2, -1) + 1e-9)
+    same = y[:, None] == y[None]
+    hardest_pos = jnp.max(jnp.where(same, d, 0.0), -1)
+    hardest_neg = jnp.min(jnp.where(same, 1e9, d), -1)
+    return jnp.mean(jax.nn.relu(hardest_pos - hardest_neg + 0.2))
+  return sgd(loss), _xy
+
+
+@case("capacity_routing_by_cumsum", expect_split=False)
+def _():
+  E, CAP = 4, B // 4 + 2
+
+  def loss(p, x, y):
+    expert = jnp.argmax(x @ p["router"], -1)
+    onehot = jax.nn.one_hot(expert, E)
+    slot = jnp.cumsum(onehot, axis=0) * onehot  # position in its expert's queue, batch-wide
+    kept = jnp.sum(jnp.where(slot <= CAP, onehot, 0.0), -1)
+    return jnp.mean(jnp.sum(mlp(p, x) ** 2, -1) * kept * jax.nn.softmax(x @ p["router"])[:, 0])
+  return sgd(loss), lambda: ({**mlp_params(), "router": _normal(53, (D, E))}, _x(), _labels())
+
+
+@case("linen_batchnorm_in_train_mode", expect_split=False)
+def _():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(C)(nn.BatchNorm(use_running_average=False)(nn.Dense(H)(x)))
+  model = Net()
+
+  def step(variables, x, y):
+    def loss(params):
+      logits, upd = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                                x, mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
+    (l, upd), g = jax.value_and_grad(loss, has_aux=True)(variables["params"])
+    params = jax.tree.map(lambda a, b: a - 0.1 * b, variables["params"], g)
+    return {"params": params, "batch_stats": upd["batch_stats"]}, {"loss": l}
+  return step, lambda: (model.init(jax.random.key(0), _x()), _x(), _labels())
+
