@@ -141,14 +141,16 @@ def _compared(g) -> list[dict]:
 
 
 def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = False,
-        own: bool = False, drop_in: bool = True, estimated_rivals: int = 0):
+        own: bool = False, drop_in: bool = True, estimated_rivals: int = 0,
+        memory_breakdown: bool = True, one_compile: bool = True):
   state, batch, n = abstract_args(s, PlainLM if unmodified else LM)
   step = plain_train_step if unmodified else hg_flax.train_step(loss_fn)
   shardings = own_shardings(target, state, batch) if own else {}
   g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                             plan_cache=False, max_fit_seconds=max_fit_seconds,
                             report_dir=tempfile.mkdtemp(), auto_plan_aware=drop_in,
-                            estimated_rivals=estimated_rivals, **shardings)
+                            estimated_rivals=estimated_rivals,
+                            memory_breakdown=memory_breakdown, **shardings)
   t0 = time.perf_counter()
   plan, error = None, None
   try:
@@ -166,8 +168,9 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
          "fit_seconds": seconds,
          "plan": plan.describe() if plan else None, "error": error,
          "estimate": next((a.estimate for a in reversed(g.attempts) if a.estimate), None),
-         "compared": _compared(g)}
-  if plan is not None:  # one compile of the plan found, in the same process
+         "compared": _compared(g),
+         "breakdowns": [a.breakdown for a in g.attempts if a.breakdown is not None]}
+  if plan is not None and one_compile:  # one compile of the plan found, in this process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                                   plan_cache=False, plan=plan, auto_fallback=False,
                                   report_dir=tempfile.mkdtemp(), **shardings)

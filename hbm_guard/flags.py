@@ -70,12 +70,18 @@ AUTO_PLAN_AWARE = flags.DEFINE_bool(
     "jax.grad is split into microbatches where the loss is a function of batch sums (exact), "
     "and its repeated layers checkpointed. False: only steps built with the helpers.")
 
+MEMORY_BREAKDOWN = flags.DEFINE_bool(
+    "hbm_guard_memory_breakdown", True,
+    "Each compile and probe dumps its program, and the report says where its memory goes "
+    "(by kind, by layer, by buffer and source line, each part with the rung that removes "
+    "it).")
+
 _HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempts": MAX_ATTEMPTS,
             "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
             "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
             "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS,
             "auto_plan_aware": AUTO_PLAN_AWARE, "timed_rivals": TIMED_RIVALS,
-            "estimated_rivals": ESTIMATED_RIVALS}
+            "estimated_rivals": ESTIMATED_RIVALS, "memory_breakdown": MEMORY_BREAKDOWN}
 
 
 def guard_options(defaults: dict | None = None) -> dict:

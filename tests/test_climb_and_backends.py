@@ -192,8 +192,8 @@ def test_the_target_backend_compiles_for_the_tpu_and_probes_cheaply(v5e_devices)
   assert isinstance(target, backend_lib.TargetBackend) and not target.exact_probes
   assert target.where() == "target:v5e:1x1" and target.platform == "tpu"
   key = target.step.key((w, x), {})
-  need, refused = probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
-  assert refused is None
+  need, refused, broken = probing.probe(target, hbm_guard.Plan(), key, (w, x), {})
+  assert refused is None and broken is not None and broken.agrees
   assert need and need > 4 * MiB  # the weights alone are 4 MiB
   assert target.compile(hbm_guard.Plan(), key, (w, x), {}).outcome is Outcome.FITS
 
@@ -313,7 +313,7 @@ def test_probes_started_in_a_pool_read_what_probes_one_by_one_do(v5e_devices):
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     futures = probing.start_probes(target, plans, key, (w, x), {}, pool=pool)
     together = [f.result() for f in futures]
-  assert [need for need, _, _ in together] == alone and all(s > 0 for _, s, _ in together)
+  assert [r[0] for r in together] == alone and all(r[1] > 0 for r in together)
   assert alone[1] < alone[0]  # donation: a figure per plan, not one figure twice
 
 

@@ -20,6 +20,7 @@ from jax._src import core as jax_core
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
+from hbm_guard._src import memory_dump
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src.search import tuning
@@ -190,11 +191,16 @@ class _Base:
 
   def _trial(self, plan, compile_fn, facts_fn, capacity, placed=(), speed=None
              ) -> compile_lib.Trial:
-    trial = compile_lib.try_compile(plan, compile_fn, facts_fn, capacity=capacity,
-                                    name=self.step.name, speed=speed)
-    self.step.learn(trial.facts)
-    layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
-    return dataclasses.replace(trial, layout=layout)
+    """`compile_fn(options)` compiled (with a dump's options where a breakdown is asked
+    for), classified, and broken down from the dump."""
+    with memory_dump.scope(self.options.memory_breakdown) as dump:
+      trial = compile_lib.try_compile(plan, lambda: compile_fn(dump.options()), facts_fn,
+                                      capacity=capacity, name=self.step.name, speed=speed)
+      self.step.learn(trial.facts)
+      layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
+      args = memory_dump.arguments(self.step.fun, self.options.state_argnums,
+                                   plan.microbatches, len(self.devices()))
+      return dataclasses.replace(trial, layout=layout, breakdown=dump.breakdown(args, trial))
 
 
 class LocalBackend(_Base):
@@ -229,13 +235,13 @@ class LocalBackend(_Base):
     entry.allowed.add(key)
     largs, lkw = self.step.abstract(args, kwargs, entry.layout) if entry.layout else (args, kwargs)
     try:
-      def compile_fn():
+      def compile_fn(dump_options):
         traced = entry.jitted.trace(*largs, **lkw)
         self.step.saw_traced(plan, args, kwargs, traced)
         lowered = traced.lower()
         if probe:
           compile_lib.check_split(plan, entry.facts.get(key))
-        return lowered.compile()
+        return lowered.compile(dump_options or None)
       return self._trial(plan, compile_fn, lambda: entry.facts.get(key), self.capacity(args),
                          largs)
     finally:
@@ -305,7 +311,7 @@ class TargetBackend(_Base):
                                   capacity, meanwhile, climb=True)
     devices, facts = self.devices(), {}
     jitted, targs, tkw = self.step.on_devices(plan, args, kwargs, devices, facts)
-    def compile_fn():
+    def compile_fn(dump_options):
       t0 = time.perf_counter()
       with user_shardings.context_on(devices):
         traced = jitted.trace(*targs, **tkw)
@@ -316,7 +322,7 @@ class TargetBackend(_Base):
       if meanwhile is not None:
         meanwhile.start(facts.get(key), t0)
       try:
-        return lowered.compile(options)
+        return lowered.compile({**options, **dump_options})
       finally:
         if meanwhile is not None:
           meanwhile.stop()
@@ -330,7 +336,7 @@ class TargetBackend(_Base):
     `climb`: the climb's own compile, whose trace a price may read (not a probe's, whose
     trace would replace it from the pool, perhaps after the fit). `probe`: not compiled
     where the trace did not split the batch."""
-    def compile_fn():
+    def compile_fn(dump_options):
       if low.failed is not None:
         raise low.failed
       if probe:
@@ -340,7 +346,7 @@ class TargetBackend(_Base):
       if meanwhile is not None:
         meanwhile.start(low.facts.get(key), time.perf_counter())
       try:
-        return low.lowered.compile(options)
+        return low.lowered.compile({**options, **dump_options})
       finally:
         if meanwhile is not None:
           meanwhile.stop()

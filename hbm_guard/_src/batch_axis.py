@@ -315,12 +315,10 @@ def _tag(e: flat.Eqn, ins: list, batch: int) -> list:
   rule = rules.RULES.get(name)
   if rule is not None:
     return rule(e, ins, batch)
-  if name in _UNITS or name in ("scan", "cond", "shard_map"):
+  if name in _UNITS or name in ("scan", "while", "cond", "shard_map"):
     return units.tag(e, ins, batch, analyse)
   if name in units.COLLECTIVES:
     return units.collective(e, ins)
-  if name == "while":
-    raise NotSplittable(f"{_where(e)} loops over per-example values")
   if name in ELEMENTWISE:
     return rules.elementwise(e, ins)
   if name in _KEY_LEADING:

@@ -42,6 +42,10 @@ class Context:
   # step computed: another network's parameters passed to it, a power iteration's vector
   # as long as the batch in its closure).
   inputs_only: bool = False
+  # Whether an array m times as long as the batch holds it in m segments one after another
+  # (pairs stored as halves, `[a_1..a_n, b_1..b_n]`), not as m rows per example, examples
+  # major (five captions per image).
+  segment_major: bool = False
 
   def constraint(self, tags: dict) -> Callable[[Any, Any], Any] | None:
     """Keeps per-example values sharded on their batch axis (data parallel), so the
@@ -106,9 +110,22 @@ class Context:
                               if getattr(x, "ndim", 0) >= 1 and not is_key(x))
     # (of the loss's own: a size at least two of its arrays lead with, as a minibatch's
     # inputs and labels do; one example's features, one key's words, are not a batch)
-    sizes = [n for n, _ in counts.most_common()] + [n for n, c in own.most_common() if c > 1]
+    # (a size every batch leaf holds on some axis, first where there are two or more: data
+    # stored features-first, [D, B] beside [K, B], holds its batch on the last axis)
+    shapes = [set(shape) for _, shape, _ in self.candidates]
+    every = sorted(set.intersection(*shapes) - set(counts), reverse=True) if len(shapes) > 1 else []
+    sizes = every + [n for n, _ in counts.most_common()]
+    sizes += [n for n, c in own.most_common() if c > 1]
     return [self.sized(n) for n in dict.fromkeys(sizes)
             if n != self.batch_size and n > 1][:limit]
+
+  def segmented(self) -> "Context | None":
+    """This context with arrays several times as long as the batch read as segments of it,
+    one after another; None where no array is."""
+    if self.segment_major or not self.batch_size or not any(
+        n != self.batch_size and n % self.batch_size == 0 for n, _, _ in self.candidates):
+      return None
+    return dataclasses.replace(self, segment_major=True)
 
   def step_inputs(self) -> "Context":
     """This context with the batch only in the step's own batch arrays."""
@@ -128,7 +145,7 @@ class Context:
       return self
     return self.sized(size)
 
-  def batch_axis_of(self, x) -> int | None:
+  def batch_axis_of(self, x) -> int | batch_axis.Batched | None:
     """The axis of a batch leaf that holds the batch, else None. A batch leaf holds the
     batch's size and is not state (one of the step's own batch arguments, or a value
     computed from them, such as token weights), nor a leaf of an argument that is not all
@@ -139,16 +156,17 @@ class Context:
       return None
     if is_key(x):  # per-example keys (`split(key, n)`): split with their examples
       return 0 if x.shape[0] == self.batch_size else None
-    return _axis_of(tuple(x.shape), self.batch_size, self.across_axes)
+    return _axis_of(tuple(x.shape), self.batch_size, self.across_axes, self.segment_major)
 
   def is_batch(self, x) -> bool:
     return self.batch_axis_of(x) is not None
 
 
-def _axis_of(shape: tuple, size: int | None, across_axes: bool) -> int | None:
+def _axis_of(shape: tuple, size: int | None, across_axes: bool, segment_major: bool = False
+             ) -> int | batch_axis.Batched | None:
   """Where `shape` holds the batch of `size`: its first axis; else (`across_axes`) its only
   axis of that length, or a first axis of several rows per example, examples major (five
-  captions per image, [5B, ...]). Which axis is a designation, not a proof: the analysis
+  captions per image, [5B, ...]), or (`segment_major`) of several segments of the batch. Which axis is a designation, not a proof: the analysis
   then splits the loss along it exactly or refuses."""
   if not shape or not size:
     return None
@@ -159,7 +177,9 @@ def _axis_of(shape: tuple, size: int | None, across_axes: bool) -> int | None:
   axes = [i for i, n in enumerate(shape) if n == size]
   if len(axes) == 1:
     return axes[0]
-  return 0 if not axes and shape[0] % size == 0 else None
+  if axes or shape[0] % size:
+    return None
+  return batch_axis.Batched(0, shape[0] // size) if segment_major else 0
 
 
 def _group(tree) -> tuple[frozenset[int], tuple[tuple[int, ...], ...]]:

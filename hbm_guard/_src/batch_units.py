@@ -43,11 +43,13 @@ def collective(e: flat.Eqn, ins: list) -> list:
 
 
 def tag(e: flat.Eqn, ins: list, batch: int, analyse: Callable) -> list:
-  """custom_jvp / custom_vjp / checkpoint / scan / cond / shard_map: the tags of their
+  """custom_jvp / custom_vjp / checkpoint / scan / while / cond / shard_map: the tags of their
   body, read by `analyse` (the batch analysis itself)."""
   name = e.primitive.name
   if name == "scan":
     return _scan(e, ins, batch, analyse)
+  if name == "while":
+    return _while(e, ins, batch, analyse)
   if name == "shard_map":
     return _shard_map(e, ins, batch, analyse)
   if name == "cond":
@@ -169,6 +171,34 @@ def _scan(e: flat.Eqn, ins: list, batch: int, analyse: Callable) -> list:
     raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
   ys = [t.at(t.axis + 1) if isinstance(t, Batched) else t for t in outs[n_carry:]]
   return _no_combined(e, [*carry, *ys])
+
+
+def _while(e: flat.Eqn, ins: list, batch: int, analyse: Callable) -> list:
+  """A while loop over per-example values (a per-row bisection, a fixed-point iteration):
+  exact split where each example's carry stays its own and the stopping test reads no
+  example (a counter): every microbatch then runs the whole batch's iterations."""
+  p = e.params
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+  if any(isinstance(t, Reduced) for t in ins):
+    raise NotSplittable(f"{_where(e)} carries a batch sum")
+  for _ in range(len(carry) + 3):
+    outs = _body(p["body_jaxpr"], [*body_consts, *carry], batch, analyse)
+    if any(isinstance(t, Reduced) for t in outs):
+      raise NotSplittable(f"{_where(e)} computes from batch sums inside itself")
+    new = [b if a is None else a for a, b in zip(outs, carry)]
+    if any(b is not None and a != b for a, b in zip(new, carry)):
+      raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
+    if new == list(carry):
+      break
+    carry = new
+  else:
+    raise NotSplittable(f"{_where(e)}: its carry changes how it holds the batch")
+  test = _body(p["cond_jaxpr"], [*cond_consts, *carry], batch, analyse)
+  if any(t is not None for t in test):
+    raise NotSplittable(f"{_where(e)} stops on a test that reads the batch (its count of "
+                        f"iterations would differ on a microbatch)")
+  return carry
 
 
 def _is_zero(atom) -> bool:

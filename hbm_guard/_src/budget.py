@@ -99,7 +99,7 @@ class Progress:
           f"{self.budget.count(Spend.PROBE)} probe(s)]", file=stream, flush=True)
 
   def compiled(self, described: str, fits: bool, need: int | None, capacity: int | None,
-               seconds: float) -> None:
+               seconds: float, parts: str | None = None) -> None:
     if not fits:
       self._active = True
     fmt = diagnose_lib.format_bytes
@@ -108,10 +108,14 @@ class Progress:
     else:
       of = f" of {fmt(capacity)}" if capacity else ""
       what = f"{'fits' if fits else 'does not fit'}, needs {fmt(need)}{of}"
-    self._say(f"compile {described}: {what} ({seconds:.1f} s)")
+    largest = f"; largest: {parts}" if parts and not fits else ""
+    self._say(f"compile {described}: {what} ({seconds:.1f} s){largest}")
 
-  def probed(self, described: str, need: int | None, seconds: float) -> None:
-    self._say(f"probe {described}: needs {diagnose_lib.format_bytes(need)} ({seconds:.1f} s)")
+  def probed(self, described: str, need: int | None, seconds: float,
+             parts: str | None = None) -> None:
+    largest = f"; largest: {parts}" if parts else ""
+    self._say(f"probe {described}: needs {diagnose_lib.format_bytes(need)} ({seconds:.1f} s)"
+              f"{largest}")
 
   def stopped(self, why: str) -> None:
     self._say(why)

@@ -56,6 +56,11 @@ def render_explanation(rec: record_lib.E1000Record, diag: diagnose_lib.Diagnosis
       if a.source_file:
         lines.append(f"       at {a.source_file}"
                      + (f":{a.source_line}" if a.source_line else ""))
+  from hbm_guard._src import breakdown as breakdown_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import report as report_lib  # pylint: disable=g-import-not-at-top
+  listed_parts = breakdown_lib.from_listing(rec.allocations, rec.required_bytes)
+  if listed_parts is not None:
+    lines += report_lib.breakdown_lines(listed_parts.to_dict())
   lines.append("")
   lines.append(f"Scenario {diag.scenario or '-'}"
                + (f" ({diag.variant})" if diag.variant else "")
@@ -227,6 +232,8 @@ def _preflight(args, out: TextIO) -> int:
         if c["plan"] != r["plan"]:
           print(f"{'':<12} beside: {c['plan']}{' (searched)' if i == 0 else ''}: "
                 f"{report_lib.compared(c)}", file=out)
+      for line in report_lib.breakdown_lines(r.get("breakdown"), indent=" " * 12)[:6]:
+        print(line, file=out)
       for a in r["largest_allocations"]:
         print(f"{'':<12} largest: {_fmt(a['size_bytes'])} {a.get('shape') or ''} "
               f"{(a.get('what') or '')[:70]}{' at ' + a['source'] if a.get('source') else ''}",
@@ -237,6 +244,33 @@ def _preflight(args, out: TextIO) -> int:
                ". --estimated-rivals N compiles N plans near each and keeps the fastest"),
             file=out)
   return 0 if all(r["fits"] for r in rows) else 1
+
+
+def _memory(args, out: TextIO) -> int:
+  """Where a step's memory goes for a target, as written (compiled once, not fitted)."""
+  from hbm_guard._src import targets  # pylint: disable=g-import-not-at-top
+  targets.quiet_libtpu_on_cpu_host()
+  from hbm_guard._src import guard as guard_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import preflight  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src import report as report_lib  # pylint: disable=g-import-not-at-top
+  try:
+    targets.Target.parse(args.target).devices()
+    step, step_args = preflight.load_factory(args.factory)()
+    if not isinstance(step, guard_lib.GuardedFunction):
+      raise ValueError("the factory must return (a guarded_jit step, its example arguments)")
+  except Exception as e:  # pylint: disable=broad-except  (a usage error, said plainly)
+    print(f"hbm-guard memory: {e}", file=sys.stderr)
+    return 2
+  row = preflight.memory(step, tuple(step_args), args.target, capacity=args.capacity)
+  if args.json:
+    print(json.dumps(row, indent=2, default=str), file=out)
+  else:
+    print(f"{args.target}: {'fits' if row['fits'] else 'does not fit'}"
+          + (f" ({row['error'][:200]})" if row.get("error") else ""), file=out)
+    lines = report_lib.breakdown_lines(row["breakdown"])
+    print("\n".join(lines) if lines else "  no breakdown: the compiler dumped nothing",
+          file=out)
+  return 0 if row["breakdown"] else 1
 
 
 def _count(text: str) -> int:
@@ -281,6 +315,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
                  help="compile up to N plans near the search's choice for each target and "
                       "keep the one its program estimates fastest (each costs a compile)")
   f.add_argument("--json", action="store_true", help="print a list of objects, one a target")
+  m = sub.add_parser("memory", help="where a step's memory goes for a TPU target, as written")
+  m.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (guarded step, args)")
+  m.add_argument("--target", required=True, help="e.g. v5e:1x1")
+  m.add_argument("--capacity", default=None, help="per device: bytes, 16GiB, or a device")
+  m.add_argument("--json", action="store_true", help="print the breakdown as JSON")
   try:
     args = parser.parse_args(argv)
   except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
@@ -289,6 +328,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     return _explain(args, out)
   if args.command == "preflight":
     return _preflight(args, out)
+  if args.command == "memory":
+    return _memory(args, out)
   if args.command == "cache":
     return _cache(args, out)
   return _report(args, out)

@@ -47,6 +47,7 @@ class Attempt:
   # why the drop-in did not split the batch, met tracing the plans priced or compiled
   # while choosing the next plan (a probe's, a compile's beside): "plan: why"
   refused: tuple[str, ...] = ()
+  breakdown: Any = None  # breakdown.Breakdown: where the program's memory goes
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -62,6 +63,7 @@ class Attempt:
         "planning": self.planning.to_dict() if self.planning is not None else None,
         "estimated_step": self.estimate.to_dict() if self.estimate is not None else None,
         "refused": list(self.refused),
+        "breakdown": self.breakdown.to_dict() if self.breakdown is not None else None,
     }
 
 
@@ -108,7 +110,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
       attempt = Attempt(number, plan, compile_lib.Outcome.FITS, trial.seconds, memory=trial.memory,
                         signature=signature, loss_form=loss_form,
                         optimizer_streaming=streaming, auto=auto, layout=trial.layout,
-                        estimate=trial.estimate)
+                        estimate=trial.estimate, breakdown=trial.breakdown)
       attempts.append(attempt)
       on_attempt(attempt)
       return Result(Status.FITS, plan, tuple(attempts), trial)
@@ -128,7 +130,7 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
       nxt = hosts_lib.agree_plan(nxt)  # process 0 decides, for every process
     attempt = Attempt(number, plan, compile_lib.Outcome.OOM, trial.seconds, rec, diag, trial.memory,
                       tuple(skips), signature, loss_form, planning, streaming, auto,
-                      trial.layout)
+                      trial.layout, breakdown=trial.breakdown)
     attempts.append(attempt)
     on_attempt(attempt)
     if not auto_fallback:

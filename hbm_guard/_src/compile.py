@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import jax
 from absl import logging
 
+from hbm_guard._src import breakdown as breakdown_lib
 from hbm_guard._src import errors
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
@@ -71,6 +72,7 @@ class Trial:
   uneven: errors.UnevenMicrobatchError | None = None
   layout: tuple[str, ...] = ()  # where the compile put the batch and the largest state
   estimate: step_time.Estimate | None = None  # a target's step time, from the program
+  breakdown: breakdown_lib.Breakdown | None = None  # where the program's memory goes
 
 
 def memory_of(compiled) -> dict[str, int] | None:

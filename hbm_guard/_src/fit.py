@@ -296,7 +296,8 @@ class Fit:
     self.progress.compiled(
         plan.describe(), trial.outcome is compile_lib.Outcome.FITS,
         rec.required_bytes if rec else (trial.memory or {}).get("peak"),
-        rec.available_bytes if rec else self.backend.capacity(self.args), trial.seconds)
+        rec.available_bytes if rec else self.backend.capacity(self.args), trial.seconds,
+        trial.breakdown.summary() if trial.breakdown is not None else None)
     return trial
 
   def _start_compile(self, plan: plan_lib.Plan):
@@ -329,10 +330,13 @@ class Fit:
     return [functools.partial(self._read_probe, p, f) for p, f in zip(plans, futures)]
 
   def _read_probe(self, plan: plan_lib.Plan, future) -> tuple[int | None, float]:
-    need, seconds, why = self.budget.wait(future, budget_lib.Spend.PROBE)
+    need, seconds, why, broken = self.budget.wait(future, budget_lib.Spend.PROBE)
     self.budget.record(budget_lib.Spend.PROBE, seconds)
     self._refused(plan, why)
-    self.progress.probed(plan.describe(), need, seconds)
+    if broken is not None:
+      self.ledger.probed[plan.describe()] = broken
+    self.progress.probed(plan.describe(), need, seconds,
+                         broken.summary() if broken is not None else None)
     return need, seconds
 
   def _stop_for_time(self):

@@ -192,8 +192,13 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
   if refused is not None:
     ctx, t, split, refused = _other_readings(fun, argnums, args, kwargs, whole, differentiated,
                                              ctx, t, refused)
+  elif _uneven(ctx.batch_size):  # a reading whose count divides (the batch on a later axis)
+    other = _other_readings(fun, argnums, args, kwargs, whole, differentiated, ctx, t,
+                            f"the batch of {ctx.batch_size} does not split evenly")
+    if other[2] is not None and not _uneven(other[0].batch_size):
+      ctx, t, split, refused = other
   batch = ctx.batch_size
-  described = tuple(batch_context.describe_leaf(x) + (f" (batch on axis {a})" if a else "")
+  described = tuple(batch_context.describe_leaf(x) + _where_batch(a)
                     for x, a in zip(t.inputs()[2], t.axes))
   try:
     segments, layers = layers_lib.segments(t.prog, range(len(t.prog.eqns)),
@@ -234,7 +239,18 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
   return out, grads[0] if isinstance(argnums, int) else tuple(grads)
 
 
-_MAX_READINGS = 6  # readings of which arguments hold the batch, tried in turn
+def _where_batch(a) -> str:
+  if isinstance(a, batch_axis.Batched):
+    return f" (batch on axis {a.axis}, in {a.segments} segments one after another)"
+  return f" (batch on axis {a})" if a else ""
+
+
+def _uneven(batch: int | None) -> bool:
+  k = plan_lib.peek("microbatches")
+  return bool(batch) and k > 1 and batch % k != 0
+
+
+_MAX_READINGS = 8  # readings of which arguments hold the batch, tried in turn
 
 
 def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, differentiated,
@@ -243,29 +259,35 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   on first axes alone (as it was read before batches on other axes), each leaf on its own
   (a class table beside the batch in one tuple), the batch only in the step's own arrays
   (not another network's parameters passed to the loss, nor a vector the step computed as
-  long as the batch and the loss closes over), the other sizes the
-  arguments hold (a time-major step whose sequence outnumbers the batch; a gradient in the
-  step's own loop over minibatches). Which reading is a designation, not
-  a proof: the analysis splits along it exactly or refuses. The first that splits is
-  taken; else the refusal of the first axes' reading, as before."""
+  long as the batch and the loss closes over), the other sizes the arguments hold (a
+  time-major step whose sequence outnumbers the batch; a gradient in the step's own loop
+  over minibatches; data stored features-first), then each of those with arrays several
+  times the batch's length read as its segments (pairs stored as halves). Which reading is
+  a designation, not a proof: the analysis splits along it exactly or refuses. The first
+  that splits, with a count of microbatches that divides it, is taken; else the refusal of
+  the first axes' reading, as before."""
   lead = whole.leading_only().beside(differentiated)
   readings = [lead] if (any(t.axes) or lead.batch_size != ctx.batch_size) else []
   own = [x for i, a in enumerate(args) if i not in t.diff for x in jax.tree.leaves(a)]
   k = plan_lib.peek("microbatches")
   readings += [c for c in (ctx.step_inputs(), ctx.leafwise(), *ctx.other_sizes(own))
                if c not in readings and (k == 1 or (c.batch_size or 1) % k == 0)]
-  reported = (ctx, t, None, refused)
+  readings += [s for c in (ctx, *readings) if (s := c.segmented()) is not None
+               and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
+  reported, uneven = (ctx, t, None, refused), None
   for other in readings[:_MAX_READINGS]:
     try:
       t1 = auto_grad.trace(fun, argnums, args, kwargs, other)
     except Exception:  # pylint: disable=broad-except  (the refusal above stands)
       continue
     split1, refused1 = _analyse(t1, other.batch_size)
-    if split1 is not None:
+    if split1 is not None and not _uneven(other.batch_size):
       return other, t1, split1, None
-    if (other is lead and lead.batch_size) or not reported[1].inputs()[2]:
+    if split1 is not None:  # (kept, should no reading divide: the climb picks a count)
+      uneven = uneven or (other, t1, split1, None)
+    elif (other is lead and lead.batch_size) or not reported[1].inputs()[2]:
       reported = (other, t1, None, refused1)  # (a reading that found the batch says more)
-  return reported
+  return uneven or reported
 
 
 def _analyse(t: auto_grad.Traced, batch: int | None):

@@ -39,6 +39,7 @@ class Ledger:
     # probe's, a compile's beside the climb, a rival's: not only the climb's own)
     self.refused: dict[str, str] = {}
     self._told = 0  # refusals already given to an attempt
+    self.probed: dict[str, Any] = {}  # a probe's plan -> where its memory goes
     self._writer = report_lib.Writer(options.report_dir, stem)
 
   @property
@@ -80,5 +81,6 @@ class Ledger:
         max_class=o.max_class, ladder=[r.to_dict() for r in o.ladder],
         above_class=above.to_dict() if above else None, note=note, timed=timed,
         estimated=estimated,
-        refused=[{"plan": plan, "why": why} for why, plan in self.refused.items()])
+        refused=[{"plan": plan, "why": why} for why, plan in self.refused.items()],
+        probed=[{"plan": plan, "breakdown": b.to_dict()} for plan, b in self.probed.items()])
     return self._writer.write(data)

@@ -131,6 +131,10 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
         frontier += [v for v in e.invars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
     frontier += [v for v in prog.outvars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
     frontier = tuple(dict.fromkeys(frontier))
+    if not frontier and outs[0] is batch_axis.COMBINED:  # (split, it would save nothing)
+      raise batch_axis.NotSplittable(
+          "no part of the loss is computed per example: it reads the whole batch at once "
+          "(as a recurrence carried across examples does)")
     # per-example outputs, and extrema over the batch (both from each microbatch, combined)
     batched_outs = tuple(i for i, tag in enumerate(outs) if isinstance(tag, batch_axis.Batched)
                          or tag in batch_axis.tags.EXTREMA)

@@ -88,6 +88,7 @@ def trace(g: Callable, inputs: tuple, whole: flat.Program, consts, tags: dict, a
   with the microbatch's size where the whole counts the batch's)."""
   m = batch // k
   diff, other, batch_vals = inputs
+  axes = [a.axis if isinstance(a, batch_axis.Batched) else a for a in axes]
   shapes = [microbatch_of(x, x.shape[a] // k, a) for x, a in zip(batch_vals, axes)]
   try:
     closed = jax.make_jaxpr(g)(diff, other, shapes)

@@ -63,7 +63,8 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
   diff, other, batch_vals = t.inputs()
   # Microbatch i takes examples i, i+k, i+2k, ...: a batch sharded over devices (data
   # parallel) gives each device an equal share of every microbatch.
-  parts = [_parts(x, a, k, batch) for x, a in zip(batch_vals, t.axes)]
+  parts = [_parts(x, a, k, batch) if not isinstance(a, batch_axis.Batched)
+           else _parts(x, a.axis, k, batch, a.segments) for x, a in zip(batch_vals, t.axes)]
   keys = _key_slots(prog, prog.constvars, closed.consts)
   other_keys = _key_slots(prog, prog.invars[t.n_diff:t.n_diff + len(other)], other)
   dep = [j for j, d in enumerate(split.dep) if d]

@@ -146,6 +146,10 @@ class GuardOptions:
   # For a target: plans near the search's choice compiled, the one whose program is
   # estimated fastest kept (`estimated`); each costs a compile, so none unless asked.
   estimated_rivals: int = 0
+  # Each compile and probe dumps its program, and the report says where its memory goes
+  # (`breakdown`): by kind, by layer, by buffer and source line, each with the rung that
+  # removes it.
+  memory_breakdown: bool = True
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -184,6 +188,7 @@ class GuardOptions:
       put(name, _plan_count(name, getattr(self, name)))
     put("progress", _strict_bool("progress", self.progress))
     put("auto_plan_aware", _strict_bool("auto_plan_aware", self.auto_plan_aware))
+    put("memory_breakdown", _strict_bool("memory_breakdown", self.memory_breakdown))
     put("jit_kwargs", types.MappingProxyType(self._normalised_jit_kwargs()))
     if not self.state_argnums:  # what the caller donates to jax.jit, it has given up:
       put("state_argnums", self.user_donate)  # the step's state (a drop-in's train state)

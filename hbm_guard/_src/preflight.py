@@ -42,16 +42,7 @@ def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
     options["estimated_rivals"] = estimated_rivals
   guarded = step.replace(**options)
   t0 = time.perf_counter()
-  row: dict[str, Any] = {"target": target}
-  try:
-    guarded.fit(*args)
-    row["fits"] = True
-  except errors.HbmGuardError as e:
-    row["fits"] = False
-    row["error"] = str(e).split(" (https://")[0]
-  except Exception as e:  # pylint: disable=broad-except  (the compiler's own, not an OOM)
-    row["fits"] = False
-    row["error"] = f"{type(e).__name__}: {e}"[:500]
+  row = _fitted(guarded, args, target)
   row["seconds"] = round(time.perf_counter() - t0, 1)
   attempts = guarded.attempts
   last = attempts[-1] if attempts else None
@@ -72,9 +63,41 @@ def check(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
   failed = next((a for a in reversed(attempts) if a.record is not None), None)
   row["largest_allocations"] = (report_lib.largest_allocations(failed.record.to_dict(), 3)
                                 if failed else [])
+  broken = next((a.breakdown for a in reversed(attempts) if a.breakdown is not None), None)
+  row["breakdown"] = broken.to_dict() if broken is not None else None
   row["estimated_step_ms"] = _estimated_ms(guarded) if row["fits"] else None
   row["compared"] = compared.to_dict()["plans"] if compared is not None else []
   row["report"] = guarded.report_path
+  return row
+
+
+def memory(step: guard_lib.GuardedFunction, args: Sequence[Any], target: str, *,
+           capacity: str | int | None = None) -> dict[str, Any]:
+  """Where `step`'s memory goes for `target`, as written (its own plan, compiled once and
+  not fitted): the breakdown, and whether it fits."""
+  guarded = step.replace(target=target, capacity=capacity, auto_fallback=False,
+                         memory_breakdown=True, plan_cache=False)
+  row = _fitted(guarded, args, target)
+  attempt = guarded.attempts[-1] if guarded.attempts else None
+  row["breakdown"] = (attempt.breakdown.to_dict() if attempt is not None
+                      and attempt.breakdown is not None else None)
+  row["report"] = guarded.report_path
+  return row
+
+
+def _fitted(guarded: guard_lib.GuardedFunction, args: Sequence[Any], target: str
+            ) -> dict[str, Any]:
+  """Fits `guarded`: {"target", "fits", "error" where it does not}."""
+  row: dict[str, Any] = {"target": target}
+  try:
+    guarded.fit(*args)
+    row["fits"] = True
+  except errors.HbmGuardError as e:
+    row["fits"] = False
+    row["error"] = str(e).split(" (https://")[0]
+  except Exception as e:  # pylint: disable=broad-except  (the compiler's own, not an OOM)
+    row["fits"] = False
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
   return row
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from hbm_guard._src import backend as backend_lib
 from hbm_guard._src import compile as compile_lib
@@ -33,18 +33,18 @@ def figure(trial: compile_lib.Trial) -> int | None:
 
 
 def probe(backend: Backend, plan: plan_lib.Plan, key, args, kwargs, low_effort: bool = False
-          ) -> tuple[int | None, str | None]:
-  """What `plan` needs, cheaply (libtpu's early figure, or a full compile's peak), and why
-  its trace did not split the batch where it did not."""
+          ) -> tuple[int | None, str | None, Any]:
+  """What `plan` needs, cheaply (libtpu's early figure, or a full compile's peak), why its
+  trace did not split the batch where it did not, and where its memory goes."""
   trial = backend.compile(plan, key, args, kwargs, probe=True, low_effort=low_effort)
-  return figure(trial), refused(trial)
+  return figure(trial), refused(trial), trial.breakdown
 
 
 def start_probes(backend: Backend, plans: Sequence[plan_lib.Plan], key, args, kwargs,
                  low_effort: bool = False, pool: concurrent.futures.Executor | None = None
                  ) -> list[concurrent.futures.Future]:
-  """Probes of `plans`, as futures of (figure, seconds, why not split). Given a pool, and a
-  backend that
+  """Probes of `plans`, as futures of (figure, seconds, why not split, breakdown). Given a
+  pool, and a backend that
   can stage them, each is lowered here and compiled in the pool: beside the others, and
   beside whatever this thread does next (two dear probes at 368M took the wall time of
   one, on 2 cores). Otherwise each runs here, now."""
@@ -53,12 +53,12 @@ def start_probes(backend: Backend, plans: Sequence[plan_lib.Plan], key, args, kw
     for plan in plans:
       done: concurrent.futures.Future = concurrent.futures.Future()
       t0 = time.perf_counter()
-      need, why = probe(backend, plan, key, args, kwargs, low_effort)
-      done.set_result((need, time.perf_counter() - t0, why))
+      need, why, broken = probe(backend, plan, key, args, kwargs, low_effort)
+      done.set_result((need, time.perf_counter() - t0, why, broken))
       out.append(done)
     return out
   def run(ready):
     trial = ready()
-    return figure(trial), trial.seconds, refused(trial)
+    return figure(trial), trial.seconds, refused(trial), trial.breakdown
   return [pool.submit(run, backend.staged_probe(plan, key, args, kwargs, low_effort))
           for plan in plans]

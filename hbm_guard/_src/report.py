@@ -32,7 +32,8 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
           above_class: dict[str, Any] | None = None,
           timed: dict[str, Any] | None = None,
           estimated: dict[str, Any] | None = None,
-          refused: list[dict[str, str]] | None = None) -> dict[str, Any]:
+          refused: list[dict[str, str]] | None = None,
+          probed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
   """The report as a dict. status: climbing | fits | exhausted | diagnosed | failed."""
   last = next((a for a in reversed(attempts) if a.get("diagnosis")), None)
   withheld = sorted({s["rung"] for a in attempts for s in a.get("skipped", ())
@@ -54,6 +55,11 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
       "timed": timed,  # the plans timed on the first steps, and why the one in force won
       "estimated": estimated,  # a target's rivals compiled, each its estimated step
       "refused": refused or [],  # why the drop-in did not split the batch, under which plan
+      # where the memory goes in the last program compiled (the plan kept, or the last
+      # failure): by kind, layer and buffer, each part with the rung that removes it
+      "breakdown": next((a["breakdown"] for a in reversed(attempts) if a.get("breakdown")),
+                        None),
+      "probed": probed or [],  # where each probe's program's memory goes
       "attempts": attempts,
       "ladder": ladder,
       "note": note,
@@ -97,10 +103,17 @@ def next_steps(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if pr.get("need_bytes") is not None:
           probed[r] = min(probed.get(r, pr["need_bytes"]), pr["need_bytes"])
   out = []
-  for adv in last["diagnosis"]["advice"]:
+  savings = (next((a["breakdown"] for a in reversed(attempts) if a.get("breakdown")), None)
+             or {}).get("savings") or {}
+  advice = sorted(last["diagnosis"]["advice"],  # what frees most in this program, first
+                  key=lambda adv: -savings.get(adv.get("rung"), 0))
+  for adv in advice:
     rung = adv.get("rung")
     if rung in done:
       continue
+    if savings.get(rung):
+      adv = dict(adv, text=f"{adv['text']} Here it frees about "
+                 f"{diagnose_lib.format_bytes(savings[rung])} (breakdown).")
     if rung in probed:
       adv = dict(adv, text=f"{adv['text']} Probed here: the best plan with it needs "
                  f"{diagnose_lib.format_bytes(probed[rung])}.")
@@ -243,7 +256,18 @@ def forms(attempt: dict[str, Any]) -> list[str]:
     out.append(_LOSS_FORMS[attempt["loss_form"]])
   if plan.get("offload_optimizer") and attempt.get("optimizer_streaming") in _STREAMING:
     out.append(_STREAMING[attempt["optimizer_streaming"]])
+  largest = largest_parts(attempt.get("breakdown"))
+  if largest:
+    out.append(f"largest at the peak: {largest}")
   return out
+
+
+def largest_parts(b: Any, n: int = 3) -> str:
+  """A breakdown's largest parts, from a report (untrusted: what is not sound is left)."""
+  parts = [p for p in (b or {}).get("parts") or () if isinstance(p, dict)
+           and isinstance(p.get("bytes"), int) and isinstance(p.get("kind"), str)]
+  parts.sort(key=lambda p: -p["bytes"])
+  return ", ".join(f"{p['kind']} {diagnose_lib.format_bytes(p['bytes'])}" for p in parts[:n])
 
 
 ESTIMATE_SOURCE = ("an estimate from the compiled program: libtpu's per-op cycles at the "
@@ -330,6 +354,7 @@ def render(data: dict[str, Any]) -> str:
     lines.append(f"  the batch was not split ({r.get('plan')}): {r.get('why')}")
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
+  lines += breakdown_lines(data.get("breakdown"))
   allocs = data.get("largest_allocations") or ()
   if allocs:
     lines.append("  largest allocations (last failure):")
@@ -348,6 +373,37 @@ def render(data: dict[str, Any]) -> str:
     for adv in data["next_steps"][:6]:
       lines.append(f"    [{adv['section']}] {adv['text']}")
   return "\n".join(lines)
+
+
+def breakdown_lines(b: dict[str, Any] | None, indent: str = "  ") -> list[str]:
+  """A breakdown, for a person: its parts (with what each rung leaves of them), its
+  largest buffers with their source lines, and where the figures come from."""
+  if not b:
+    return []
+  fmt = diagnose_lib.format_bytes
+  check = (f", checked against {b['checked_against']}"
+           + ("" if b.get("agrees") in (None, True) else " (the parts do not add up to it)")
+           if b.get("checked_against") else "")
+  out = [f"{indent}where the memory goes ({fmt(b.get('total_bytes'))}, from "
+         f"{b.get('source')}{check}):"]
+  for p in sorted(b.get("parts") or (), key=lambda p: -p.get("bytes", 0)):
+    rungs = "; ".join(f"{s['rung']} -> {fmt(s['remaining_bytes'])}"
+                      for s in p.get("savings") or ())
+    after = f": {rungs}" if rungs else ""
+    if p.get("untouched"):
+      after += f"; {p['untouched']}"
+    out.append(f"{indent}  {fmt(p['bytes'])} {p['kind']}{after}")
+  for layer in (b.get("layers") or ())[:8]:
+    out.append(f"{indent}    {fmt(layer['bytes'])} in {layer['layer']}")
+  for buf in (b.get("top") or ())[:5]:
+    where = f" at {buf['source']}" if buf.get("source") else ""
+    module = f" in {buf['module']}" if buf.get("module") else ""
+    out.append(f"{indent}  buffer {buf.get('shape')} {fmt(buf['bytes'])} {buf.get('kind')}"
+               f"{module}{where}{' (' + buf['op'] + ')' if buf.get('op') else ''}")
+  if b.get("padding_bytes"):
+    out.append(f"{indent}  of which padding (S3.C): {fmt(b['padding_bytes'])}")
+  out += [f"{indent}  note: {n}" for n in b.get("notes") or ()]
+  return out
 
 
 def render_path(report: str | os.PathLike | dict[str, Any]) -> str:

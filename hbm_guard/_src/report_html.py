@@ -88,6 +88,58 @@ def chart(data: dict[str, Any]) -> str:
   return "\n".join(out) + f'<div class="legend">{legend}</div>'
 
 
+_KIND_COLORS = ("#1565c0", "#6a1b9a", "#00838f", "#8d6e63", "#9e9d24", "#c62828", "#ef6c00",
+                "#2e7d32", "#546e7a", "#ad1457", "#bdbdbd", "#37474f")
+
+
+def memory(b: dict[str, Any] | None) -> str:
+  """Where the memory goes: one stacked bar of the parts at the peak (and one of the
+  layers' activations), the largest buffers with their source lines, the savings."""
+  if not b or not b.get("parts"):
+    return ""
+  parts = sorted(b["parts"], key=lambda p: -p.get("bytes", 0))
+  total = max(1, sum(p.get("bytes", 0) for p in parts))
+  width, height = 900, 28
+  x, rects, legend = 0.0, [], []
+  for i, p in enumerate(parts):
+    w = width * p["bytes"] / total
+    color = _KIND_COLORS[i % len(_KIND_COLORS)]
+    rects.append(f'<rect x="{x:.1f}" y="0" width="{max(w, 0.5):.1f}" height="{height}" '
+                 f'fill="{color}"><title>{_e(p["kind"])}: {_e(_fmt(p["bytes"]))}</title></rect>')
+    legend.append(f'<span><i class="sw" style="background:{color}"></i>{_e(p["kind"])} '
+                  f'{_e(_fmt(p["bytes"]))}</span>')
+    x += w
+  bar = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'role="img" aria-label="where the memory goes">{"".join(rects)}</svg>')
+  layers = b.get("layers") or []
+  if layers:
+    top = max(1, max(l["bytes"] for l in layers))
+    rows = "".join(f'<tr><td>{_e(l["layer"])}</td><td><svg width="300" height="12">'
+                   f'<rect width="{300 * l["bytes"] / top:.1f}" height="12" fill="#6a1b9a"/>'
+                   f'</svg> {_e(_fmt(l["bytes"]))}</td></tr>' for l in layers)
+    bar += f"<h3>Activations held at the peak, by layer</h3><table>{rows}</table>"
+  saves = "".join(
+      f"<tr><td>{_e(p['kind'])}</td><td class='num'>{_e(_fmt(p['bytes']))}</td><td>"
+      + _e("; ".join(f"{s['rung']} -> {_fmt(s['remaining_bytes'])}" for s in p["savings"]))
+      + (f" <span class='muted'>{_e(p['untouched'])}</span>" if p.get("untouched") else "")
+      + "</td></tr>" for p in parts)
+  buffers = "".join(
+      f"<tr><td class='num'>{_e(_fmt(t['bytes']))}</td><td>{_e(t.get('shape'))}</td>"
+      f"<td>{_e(t.get('kind'))}</td><td>{_e(t.get('module') or '')}</td>"
+      f"<td>{_e(t.get('op') or '')}</td><td>{_e(t.get('source') or '')}</td></tr>"
+      for t in b.get("top") or [])
+  check = _e(b.get("checked_against") or "no figure of the compiler's to check against")
+  notes = "".join(f"<li>{_e(n)}</li>" for n in b.get("notes") or [])
+  return (f"<h2>Where the memory goes</h2><p class='muted'>{_e(_fmt(b.get('total_bytes')))} "
+          f"from {_e(b.get('source'))}; checked against {check}</p>{bar}"
+          f"<div class='legend'>{''.join(legend)}</div>"
+          f"<h3>What removes each part</h3><table><tr><th>part</th><th>bytes</th>"
+          f"<th>rung: what it leaves</th></tr>{saves}</table>"
+          f"<h3>Largest buffers at the peak</h3><table><tr><th>size</th><th>shape</th>"
+          f"<th>part</th><th>module</th><th>op</th><th>source</th></tr>{buffers}</table>"
+          + (f"<ul class='muted'>{notes}</ul>" if notes else ""))
+
+
 def _safe_href(url: Any) -> str | None:
   """Only http(s) links: a report is a file anyone may have written."""
   if isinstance(url, str) and urllib.parse.urlsplit(url.strip()).scheme in ("http", "https"):
@@ -204,6 +256,7 @@ def render(data: dict[str, Any]) -> str:
 <h2>Attempts</h2><table><tr><th>#</th><th>plan</th><th>outcome</th><th>needs</th><th>time</th>
 <th>why the next plan</th></tr>{''.join(rows)}</table>
 <h2>Diagnosis</h2>{diag or '<p class="muted">no out-of-memory recorded</p>'}
+{memory(data.get("breakdown"))}
 {refused}
 <h2>Largest allocations</h2>{('<table><tr><th>size</th><th>shape</th><th>padding</th><th>what</th><th>source</th></tr>' + ''.join(allocs) + '</table>') if allocs else '<p class="muted">the compiler listed none</p>'}
 <h2>Plan in force</h2>{_pin(data) if status == 'fits' else '<p class="muted">none: the step does not fit</p>'}

@@ -417,3 +417,108 @@ def _():
     return {"params": params, "batch_stats": upd["batch_stats"]}, {"loss": l}
   return step, lambda: (model.init(jax.random.key(0), _x()), _x(), _labels())
 
+
+
+# ------------------------------------------- where the batch is: later axes and segments
+# (outside reading 3: steps written after the rules, by a hand that had not read them)
+@case("features_first_batch_on_last_axis", expect_split=True)
+def _():
+  def loss(p, xt, yt):  # xt [D, B], yt [C, B]: no first axis is the batch's
+    h = jnp.tanh(p["w1"].T @ xt + p["b1"][:, None])
+    return jnp.mean(jnp.sum((p["w2"].T @ h - yt) ** 2, axis=0))
+  return sgd(loss), lambda: (mlp_params(), _x(40, (D, B)), _normal(41, (C, B), 1.0))
+
+
+def _pair_distance(e, a, b):
+  return jnp.sqrt(jnp.sum((e[a] - e[b]) ** 2, axis=-1) + 1e-6)
+
+
+@case("pairs_stored_as_halves", expect_split=True)
+def _():
+  def loss(p, pairs, same):  # pairs [2B, D]: rows i and B + i form pair i
+    e = mlp(p, pairs)
+    n = e.shape[0] // 2
+    d = _pair_distance(e, slice(None, n), slice(n, None))
+    return jnp.mean(same * d ** 2 + (1 - same) * jnp.maximum(1.0 - d, 0.0) ** 2)
+  return sgd(loss), lambda: (mlp_params(), _x(42, (2 * B, D)),
+                             jax.random.bernoulli(jax.random.key(43), 0.5, (B,)).astype(jnp.float32))
+
+
+@case("triplets_stored_as_thirds", expect_split=True)
+def _():
+  def loss(p, triplets, w):  # triplets [3B, D]: anchor, positive, negative, in thirds
+    a, pos, neg = jnp.split(mlp(p, triplets), 3)
+    return jnp.mean(w * jax.nn.relu(jnp.sum((a - pos) ** 2, -1) - jnp.sum((a - neg) ** 2, -1) + 1))
+  return sgd(loss), lambda: (mlp_params(), _x(44, (3 * B, D)), _normal(45, (B,), 1.0) ** 2)
+
+
+@case("halves_paired_in_reverse", expect_split=False)
+def _():
+  def loss(p, pairs, same):  # pair i is rows i and 2B - 1 - i: examples meet across the split
+    e = mlp(p, pairs)
+    n = e.shape[0] // 2
+    d = jnp.sum((e[:n] - e[n:][::-1]) ** 2, axis=-1)
+    return jnp.mean(same * d)
+  return sgd(loss), lambda: (mlp_params(), _x(46, (2 * B, D)), _normal(47, (B,), 1.0))
+
+
+@case("halves_paired_by_stride", expect_split=None)
+def _():
+  def loss(p, pairs, same):  # pair i is rows 2i and 2i + 1 (examples major): either reading
+    e = mlp(p, pairs)
+    return jnp.mean(same * jnp.sum((e[0::2] - e[1::2]) ** 2, axis=-1))
+  return sgd(loss), lambda: (mlp_params(), _x(48, (2 * B, D)), _normal(49, (B,), 1.0))
+
+
+@case("recurrence_across_the_flattened_batch", expect_split=False)
+def _():
+  def loss(p, x, y):  # one hidden state runs through every example in turn
+    def cell(h, xi):
+      h = jnp.tanh(h @ p["w1"][:, :D] + xi)
+      return h, h @ p["w2"][:D]
+    _, logits = jax.lax.scan(cell, jnp.zeros(D), x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return sgd(loss), _xy
+
+
+# ----------------------------------------------------- while loops over per-example values
+def _bisect_threshold(z, stop):
+  """Sparsemax's threshold by bisection, row by row, under a `while_loop`."""
+  def body(c):
+    lo, hi, i = c
+    mid = 0.5 * (lo + hi)
+    over = jnp.sum(jnp.maximum(z - mid[:, None], 0.0), axis=-1) > 1
+    return jnp.where(over, mid, lo), jnp.where(over, hi, mid), i + 1
+  lo, hi, _ = jax.lax.while_loop(lambda c: stop(c), body,
+                                 (jnp.max(z, -1) - 1.0, jnp.max(z, -1), jnp.int32(0)))
+  return 0.5 * (lo + hi)
+
+
+def _sparsemax_loss(stop):
+  def loss(p, x, y):
+    z = mlp(p, x)
+    tau = jax.lax.stop_gradient(_bisect_threshold(jax.lax.stop_gradient(z), stop))
+    probs = jnp.maximum(z - tau[:, None], 0.0)
+    return jnp.mean(jnp.sum((probs - jax.nn.one_hot(y, C)) ** 2, axis=-1))
+  return loss
+
+
+@case("while_loop_bisection_per_row_counted", expect_split=True)
+def _():
+  return sgd(_sparsemax_loss(lambda c: c[2] < 30)), _xy
+
+
+@case("while_loop_bisection_stops_on_the_batch", expect_split=False)
+def _():  # stops when every row is within 1e-3: the count depends on the whole batch
+  return sgd(_sparsemax_loss(lambda c: (c[2] < 60) & (jnp.max(c[1] - c[0]) > 1e-3))), _xy
+
+
+@case("while_loop_carry_rolled_across_examples", expect_split=False)
+def _():
+  def loss(p, x, y):
+    z = jax.lax.stop_gradient(mlp(p, x))
+    smooth = jax.lax.while_loop(lambda c: c[1] < 3,
+                                lambda c: (0.5 * (c[0] + jnp.roll(c[0], 1, 0)), c[1] + 1),
+                                (z, 0))[0]
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, x) + smooth, y).mean()
+  return sgd(loss), _xy

@@ -1,0 +1,46 @@
+"""What the memory breakdown costs a fit, at a real size: the 368M LM of bench_scale,
+unmodified (the drop-in), fitted for v5e:1x1 with `memory_breakdown` on and off, one after
+the other in one process. Prints each fit's seconds and compiles, the seconds reading the
+dumps took (the rest of the cost is libtpu writing them), and the kept plan's breakdown.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.bench_breakdown
+"""
+
+import argparse
+import time
+
+from benchmarks import bench_scale
+from hbm_guard._src import report as report_lib
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--target", default="v5e:1x1")
+  p.add_argument("--rounds", type=int, default=1)
+  a = p.parse_args()
+  size = bench_scale.Size()
+  rows = {True: [], False: []}
+  for _ in range(a.rounds):
+    for on in (False, True):
+      t0 = time.perf_counter()
+      row = bench_scale.fit(size, a.target, None, unmodified=True, memory_breakdown=on,
+                            one_compile=False)
+      row["wall"] = time.perf_counter() - t0
+      rows[on].append(row)
+  fmt = lambda r: (f"fit {r['fit_seconds']:.1f} s, {r['compiles']} compile(s), "  # noqa: E731
+                   f"{r['probes']} probe(s), plan {r['plan']}")
+  for on in (False, True):
+    for r in rows[on]:
+      print(f"breakdown {'on ' if on else 'off'}: {fmt(r)}")
+  on = min(r["fit_seconds"] for r in rows[True])
+  off = min(r["fit_seconds"] for r in rows[False])
+  read = [sum(b.seconds for b in r["breakdowns"]) for r in rows[True]]
+  print(f"fit with the breakdown / without: {on / off:.3f} ({on:.1f} s / {off:.1f} s, best "
+        f"of {a.rounds}); reading the dumps: {min(read):.2f} s of the fit")
+  kept = rows[True][-1]["breakdowns"]
+  if kept:
+    print("\n".join(report_lib.breakdown_lines(kept[0].to_dict())[:12]))
+
+
+if __name__ == "__main__":
+  main()
