@@ -1,15 +1,18 @@
 """What the memory breakdown costs a fit, at a real size: the 368M LM of bench_scale,
 unmodified (the drop-in), fitted for v5e:1x1 with `memory_breakdown` on and off, one after
 the other in one process. Prints each fit's seconds and compiles, the seconds reading the
-dumps took (the rest of the cost is libtpu writing them), and the kept plan's breakdown.
+dumps took (the rest of the cost is libtpu writing them), the kept plan's breakdown, and the
+first program's parts as predicted under the plan kept beside what the compiler allotted.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.bench_breakdown
 """
 
 import argparse
+import json
 import time
 
 from benchmarks import bench_scale
+from hbm_guard._src import breakdown_check
 from hbm_guard._src import report as report_lib
 
 
@@ -40,6 +43,12 @@ def main():
   kept = rows[True][-1]["breakdowns"]
   if kept:
     print("\n".join(report_lib.breakdown_lines(kept[0].to_dict())[:12]))
+  if rows[True][-1].get("report"):  # the first program's parts, predicted and compiled
+    with open(rows[True][-1]["report"], encoding="utf-8") as f:
+      compared = json.load(f).get("predicted_vs_compiled") or []
+    said = breakdown_check.summary(compared)
+    print(f"predicted under the plan kept, and compiled ({said or 'none judged'}):")
+    print("\n".join(breakdown_check.lines(compared)))
 
 
 if __name__ == "__main__":

@@ -169,7 +169,8 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
          "plan": plan.describe() if plan else None, "error": error,
          "estimate": next((a.estimate for a in reversed(g.attempts) if a.estimate), None),
          "compared": _compared(g),
-         "breakdowns": [a.breakdown for a in g.attempts if a.breakdown is not None]}
+         "breakdowns": [a.breakdown for a in g.attempts if a.breakdown is not None],
+         "report": g.report_path}
   if plan is not None and one_compile:  # one compile of the plan found, in this process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
                                   plan_cache=False, plan=plan, auto_fallback=False,

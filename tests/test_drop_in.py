@@ -640,6 +640,27 @@ def test_a_gradient_whose_name_was_bound_at_import_is_split_exactly(differentiat
   np.testing.assert_array_equal(got_predicted, want_predicted)  # per example, in order
 
 
+def test_the_drop_in_follows_the_jax_installed_and_says_so_where_it_cannot(monkeypatch,
+                                                                           caplog):
+  """Run on each jax CI installs: fails where the interception of bound names is off. A
+  jax whose value_and_grad_f the guard does not know is said once, never silently."""
+  from hbm_guard._src import batch_context, intercept  # pylint: disable=import-outside-toplevel
+  assert intercept.FOLLOWING.bound_names, intercept.FOLLOWING.message()
+  monkeypatch.setattr(intercept, "_VALUE_AND_GRAD_F", (lambda fun, argnums: 0).__code__)
+  off = intercept._following()  # pylint: disable=protected-access
+  assert not off.bound_names and "has_aux" in off.why_not
+  assert jax.__version__ in off.message() and "hbm_guard.value_and_grad" in off.message()
+  monkeypatch.setattr(intercept, "FOLLOWING", off)
+  monkeypatch.setattr(intercept, "_SAID", [])
+  ctx = batch_context.Context(8, frozenset())
+  with caplog.at_level("WARNING"):
+    for _ in range(2):
+      with intercept.intercepting(ctx):
+        pass
+  said = [r for r in caplog.records if "could not follow" in r.getMessage()]
+  assert len(said) == 1  # once per process
+
+
 def test_helper_steps_take_precedence():
   """A step built with hbm_guard.value_and_grad splits itself; the analysis stays out."""
   def step(w, x):

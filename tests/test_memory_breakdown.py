@@ -18,6 +18,7 @@ from flax.training import train_state
 
 import hbm_guard
 from hbm_guard._src import breakdown as breakdown_lib
+from hbm_guard._src import breakdown_check
 from hbm_guard._src import buffer_dump
 from hbm_guard._src import memory_dump
 from hbm_guard._src import report_html
@@ -107,6 +108,45 @@ def test_a_fitting_plan_is_broken_down_against_memory_analysis(tmp_path):
   (attempt,) = g.attempts
   b = attempt.breakdown
   assert b is not None and "memory_analysis" in b.checked_against and b.agrees
+
+
+def test_the_plan_kept_is_held_against_the_first_programs_prediction(tmp_path):
+  """The logits of a microbatched step are predicted to halve under microbatch(2); the
+  compiled program's own figures say they did. The rewritten program keeps the user's
+  module names (its ops run under "while/body", jax's name stack kept)."""
+  g = _fit_breakdowns(8192, "200MiB", tmp_path)
+  report = json.loads(open(g.report_path, encoding="utf-8").read())
+  assert report["status"] == "fits" and report["final_plan"]["microbatches"] == 2
+  rows = {r["kind"]: r for r in report["predicted_vs_compiled"]}
+  head = rows[Kind.LOSS_HEAD.value]
+  assert head["predicted_bytes"] == head["before_bytes"] // 2
+  assert head["agrees"] is True, head
+  assert rows[Kind.PARAMETERS.value]["agrees"] is True
+  kept = g.attempts[-1].breakdown
+  logits = [b for b in kept.top if b.kind is Kind.LOSS_HEAD]
+  assert logits and logits[0].module and "Dense_2" in logits[0].module, kept.top
+  text = hbm_guard.render_report(g.report_path)
+  assert "predicted under the plan kept and compiled" in text and "agree within 10%" in text
+  assert "Predicted and compiled" in report_html.render(report)
+
+
+def test_a_prediction_read_back_from_a_report_is_checked_not_trusted():
+  first = {"plan": {"microbatches": 1}, "breakdown": {"total_bytes": 1000, "parts": [
+      {"kind": Kind.LOSS_HEAD.value, "bytes": 800}, {"kind": "made up", "bytes": 100},
+      {"kind": Kind.PARAMETERS.value, "bytes": "100"}, "junk"],
+      "own_peak_bytes": {Kind.LOSS_HEAD.value: 800, "x": -1}}}
+  kept = {"plan": {"microbatches": 4, "remat_policy": 3}, "breakdown": {
+      "parts": [{"kind": Kind.LOSS_HEAD.value, "bytes": 10}],
+      "own_peak_bytes": {Kind.LOSS_HEAD.value: 200}, "on_chip_peak_bytes": []}}
+  rows = breakdown_check.compare(first, kept)
+  assert [r["kind"] for r in rows] == [Kind.LOSS_HEAD.value, "made up"]
+  assert rows[0]["predicted_bytes"] == 200 and rows[0]["agrees"] is True
+  assert rows[1]["predicted_bytes"] is None and rows[1]["agrees"] is None
+  assert breakdown_check.compare(first, first) == []
+  assert breakdown_check.compare({"breakdown": None}, kept) == []
+  assert breakdown_check.lines("not a list") == [] and breakdown_check.summary(None) is None
+  kept["breakdown"]["own_peak_bytes"] = {Kind.LOSS_HEAD.value: 600}  # saved 200, not 600
+  assert breakdown_check.compare(first, kept)[0]["agrees"] is False
 
 
 def test_the_breakdown_can_be_switched_off(tmp_path):

@@ -17,12 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import math
 import os
 import re
 from typing import Any, Sequence
 
 from hbm_guard._src import buffer_dump
+from hbm_guard._src import hlo_names as names
 
 TOLERANCE = 0.05  # the parts sum to the compiler's own figure within this share
 TOP = 10  # buffers listed
@@ -61,11 +61,6 @@ _NOT_TOUCHED = {Kind.LOSS_HEAD: "layer_remat does not touch it",
 _COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
                    "all-to-all", "send", "recv")
 _LOSS_OPS = ("softmax", "logsumexp", "cross_entropy", "log_softmax", "xent", "nll")
-_NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
-_SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +104,7 @@ class Buffer:
   def describe(self) -> str:
     where = f" at {self.source}" if self.source else ""
     what = f" ({self.op})" if self.op else ""
-    return f"{self.shape} {_fmt(self.bytes)}{where}{what}"
+    return f"{self.shape} {fmt(self.bytes)}{where}{what}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +120,16 @@ class Breakdown:
   figure: int | None = None
   notes: tuple[str, ...] = ()
   seconds: float = 0.0  # what reading the dump and computing this took
+  # the most each kind of temporary holds at any point of the schedule (not only at the
+  # program's peak): what a rung's prediction for that kind is held against
+  own_peaks: tuple[tuple[Kind, int], ...] = ()
+  # the same in the chip's on-chip memory (TPU VMEM, memory space 1), where the compiler
+  # placed values that fit there: not device memory, but where a part went
+  on_chip_peaks: tuple[tuple[Kind, int], ...] = ()
+  # values the compiler's own rematerialization pass made (XLA names its copies
+  # `.remat`): it ran because the program as written was over the limit, so this
+  # program holds less than the step as written needs
+  compiler_remat: int = 0
 
   @property
   def agrees(self) -> bool | None:
@@ -141,7 +146,7 @@ class Breakdown:
 
   def summary(self, n: int = 3) -> str:
     """The largest parts, for a progress line: "loss head 8.0 GiB, activations 6.1 GiB"."""
-    return ", ".join(f"{p.kind.value} {_fmt(p.bytes)}" for p in self.largest(n))
+    return ", ".join(f"{p.kind.value} {fmt(p.bytes)}" for p in self.largest(n))
 
   def savings(self) -> dict[str, int]:
     """What each rung is predicted to free here (bytes), the largest first."""
@@ -159,10 +164,14 @@ class Breakdown:
             "layers": [{"layer": name, "bytes": n} for name, n in self.layers],
             "top": [b.to_dict() for b in self.top], "padding_bytes": self.padding,
             "savings": self.savings(), "notes": list(self.notes),
+            "own_peak_bytes": {k.value: n for k, n in self.own_peaks},
+            "on_chip_peak_bytes": {k.value: n for k, n in self.on_chip_peaks},
+            "compiler_rematerialized": self.compiler_remat,
             "seconds": round(self.seconds, 3)}
 
 
-def _fmt(n: int) -> str:
+def fmt(n: int) -> str:
+  """Bytes as a person reads them."""
   for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
     if abs(n) >= size:
       return f"{n / size:.2f} {unit}"
@@ -212,9 +221,9 @@ def compute(dump: buffer_dump.Dump, args: Arguments, *, figure: int | None = Non
       path = (ins.op_name if ins and ins.op_name else (v.name if v else f"parameter {a.parameter}"))
       kind = args.kind(path)
       amounts[kind] += a.size
-      pad = _padding(v.shape, a.size) if v else 0
+      pad = names.padding(v.shape, a.size) if v else 0
       padding += pad
-      buffers.append(Buffer(a.size, _shape(v.shape) if v else "?", kind, None, path, None, pad))
+      buffers.append(Buffer(a.size, names.shape(v.shape) if v else "?", kind, None, path, None, pad))
     elif a.temp:
       continue
     elif a.live_out:
@@ -222,13 +231,16 @@ def compute(dump: buffer_dump.Dump, args: Arguments, *, figure: int | None = Non
     else:
       amounts[Kind.PROGRAM] += a.size
   arena = sum(a.size for a in device if a.temp and a.parameter is None)
-  live, moment = _live_at_peak(dump, [a for a in device if a.temp and a.parameter is None])
+  temps = [a for a in device if a.temp and a.parameter is None]
+  live, moment = _live_at_peak(dump, temps)
+  own_peaks: tuple = ()
+  on_chip: tuple = ()
   if live is None:
     notes.append("the live ranges were not read: the temporaries are one part")
     amounts[Kind.TEMPORARIES] += arena
   else:
     head_shapes = _loss_head_shapes(dump)
-    param_shapes = {_shape(a.values[0].shape) for a in device
+    param_shapes = {names.shape(a.values[0].shape) for a in device
                     if a.parameter is not None and a.values and a.size >= 1 << 16}
     layers: dict[str, int] = collections.Counter()
     held = 0
@@ -237,20 +249,29 @@ def compute(dump: buffer_dump.Dump, args: Arguments, *, figure: int | None = Non
       kind = _kind_of(ins, v, head_shapes, param_shapes)
       amounts[kind] += v.size
       held += v.size
-      pad = _padding(v.shape, v.size)
+      pad = names.padding(v.shape, v.size)
       padding += pad
-      module = _module(ins.op_name) if ins else None
+      module = names.module(ins.op_name) if ins else None
       if kind is Kind.ACTIVATIONS and module:
-        layers[_layer(module)] += v.size
-      buffers.append(Buffer(v.size, _shape(v.shape), kind, module,
-                            _op(ins.op_name) if ins else v.name,
+        layers[names.layer(module)] += v.size
+      buffers.append(Buffer(v.size, names.shape(v.shape), kind, module,
+                            names.op(ins.op_name) if ins else v.name,
                             dump.source_of(ins.frame) if ins else None, pad))
     amounts[Kind.ARENA_SLACK] += max(0, arena - held)
+    kind_of = lambda v: _kind_of(dump.instructions.get(v.name), v, head_shapes,  # noqa: E731
+                                 param_shapes)
+    own_peaks = _own_peaks(dump, temps, kind_of)
+    on_chip = _own_peaks(dump, [a for a in dump.allocations if a.color == 1], kind_of)
 
+  remat = sum(1 for a in device for v in a.values if names.is_compiler_remat(v.name))
+  if remat:
+    notes.append(f"the compiler rematerialized {remat} value(s) itself (XLA's remat pass, "
+                 f"`.remat` copies): the step as written needs more than this program "
+                 f"holds, and its activations here are what was left after that pass")
   if scoped_bytes:
     amounts[Kind.PROGRAM] += scoped_bytes
   if code_bytes:  # (libtpu's memory_analysis() counts its temporaries there: not added)
-    notes.append(f"memory_analysis() reports {_fmt(code_bytes)} of generated code, which "
+    notes.append(f"memory_analysis() reports {fmt(code_bytes)} of generated code, which "
                  f"libtpu's figure shares with the temporaries: not added to the parts")
   elif figure is not None:
     notes.append("the program's code size is not in the dump (not counted)")
@@ -258,16 +279,17 @@ def compute(dump: buffer_dump.Dump, args: Arguments, *, figure: int | None = Non
   parts = tuple(_part(kind, n, args) for kind, n in amounts.items() if n)
 
   top = tuple(sorted(buffers, key=lambda b: -b.bytes)[:TOP])
-  layers_t = tuple(sorted(layers.items(), key=lambda kv: _order(kv[0]))) if live else ()
+  layers_t = tuple(sorted(layers.items(), key=lambda kv: names.order(kv[0]))) if live else ()
   checked = None
   if figure:
-    checked = f"{figure_name or 'the compiler'}'s figure, {_fmt(figure)}"
+    checked = f"{figure_name or 'the compiler'}'s figure, {fmt(figure)}"
     if abs(total - figure) > TOLERANCE * figure:
-      notes.append(f"the parts sum to {_fmt(total)}, {abs(total - figure) / figure:.0%} "
+      notes.append(f"the parts sum to {fmt(total)}, {abs(total - figure) / figure:.0%} "
                    f"from {checked}")
   source = "XLA's buffer assignment and live ranges (dump)" + (
       f", at schedule position {moment}" if moment is not None else "")
-  return Breakdown(source, total, parts, layers_t, top, padding, checked, figure, tuple(notes))
+  return Breakdown(source, total, parts, layers_t, top, padding, checked, figure, tuple(notes),
+                   own_peaks=own_peaks, on_chip_peaks=on_chip, compiler_remat=remat)
 
 
 def from_listing(allocations: Sequence[Any], figure: int | None = None) -> Breakdown | None:
@@ -289,16 +311,16 @@ def from_listing(allocations: Sequence[Any], figure: int | None = None) -> Break
     amounts[kind] += a.size_bytes
     source = (f"{os.path.basename(a.source_file)}:{a.source_line}" if a.source_file
               and a.source_line else a.source_file)
-    buffers.append(Buffer(a.size_bytes, _shape(a.shape_text) if a.shape_text else "?", kind,
-                          _module(name) if name else None,
-                          _op(name) or None, source, a.padding_bytes or 0))
+    buffers.append(Buffer(a.size_bytes, names.shape(a.shape_text) if a.shape_text else "?", kind,
+                          names.module(name) if name else None,
+                          names.op(name) or None, source, a.padding_bytes or 0))
   total = sum(amounts.values())
   parts = tuple(_part(kind, n, Arguments()) for kind, n in amounts.items())
   return Breakdown("the error message's listing of its largest allocations (not the whole "
                    "program)", total, parts, (), tuple(sorted(buffers, key=lambda b: -b.bytes)[:TOP]),
                    sum(b.padding for b in buffers), None, figure,
-                   (f"the {len(listed)} allocations listed add up to {_fmt(total)}"
-                    + (f" of the {_fmt(figure)} needed" if figure else ""),))
+                   (f"the {len(listed)} allocations listed add up to {fmt(total)}"
+                    + (f" of the {fmt(figure)} needed" if figure else ""),))
 
 
 def _part(kind: Kind, n: int, args: Arguments) -> Part:
@@ -344,6 +366,26 @@ def _live_at_peak(dump: buffer_dump.Dump, arenas: Sequence[buffer_dump.Allocatio
   return live, at
 
 
+def _own_peaks(dump: buffer_dump.Dump, arenas: Sequence[buffer_dump.Allocation], kind_of
+               ) -> tuple[tuple[Kind, int], ...]:
+  """The most the temporaries of each kind hold at once, anywhere in the schedule: one
+  sweep over the live ranges, a running total per kind."""
+  events = []
+  for v in (v for a in arenas for v in a.values):
+    r = dump.ranges.get(v.key)
+    if r is not None:
+      kind = kind_of(v)
+      events.append((r[0], v.size, kind))
+      events.append((r[1] + 1, -v.size, kind))
+  events.sort(key=lambda e: (e[0], e[1]))  # (frees before allocations at one position)
+  now: dict[Kind, int] = collections.Counter()
+  most: dict[Kind, int] = collections.Counter()
+  for _, delta, kind in events:
+    now[kind] += delta
+    most[kind] = max(most[kind], now[kind])
+  return tuple(sorted(((k, n) for k, n in most.items() if n), key=lambda kv: -kv[1]))
+
+
 def _loss_head_shapes(dump: buffer_dump.Dump) -> set[str]:
   """The shapes of the loss head's values: the model's outputs that the loss works on
   outside any module (the logits, their softmax and its cotangent share a shape), or
@@ -352,13 +394,13 @@ def _loss_head_shapes(dump: buffer_dump.Dump) -> set[str]:
   for ins in dump.instructions.values():
     if not ins.op_name or ("jvp(" not in ins.op_name and "transpose(" not in ins.op_name):
       continue
-    shape = _shape(ins.shape)
+    shape = names.shape(ins.shape)
     if shape.count(",") < 1:
       continue
     if any(op in ins.op_name for op in _LOSS_OPS):
       outside.add(shape)
       inside.add(shape)
-    elif _module(ins.op_name) is None:
+    elif names.module(ins.op_name) is None:
       outside.add(shape)
     else:
       inside.add(shape)
@@ -372,66 +414,11 @@ def _kind_of(ins: buffer_dump.Instruction | None, v: buffer_dump.Value, head: se
     return Kind.COLLECTIVES
   if ins is not None and ins.opcode.startswith(("all-gather", "all-reduce", "reduce-scatter")):
     return Kind.COLLECTIVES
-  if _shape(v.shape) in head and v.size >= 1 << 20:
+  if names.shape(v.shape) in head and v.size >= 1 << 20:
     return Kind.LOSS_HEAD
   name = ins.op_name if ins else ""
-  if "transpose(" in name or (_shape(v.shape) in param_shapes and v.size >= 1 << 16):
+  if "transpose(" in name or (names.shape(v.shape) in param_shapes and v.size >= 1 << 16):
     return Kind.GRADIENTS  # (and the updates of the parameters' shape)
   if "jvp(" in name:
     return Kind.ACTIVATIONS
   return Kind.TEMPORARIES
-
-
-_TRANSFORM = re.compile(r"^(?:jvp|transpose|vmap|remat|checkpoint|rematted_computation)\((.*)\)$")
-_JITTED = re.compile(r"^p?jit\((.*)\)$")
-
-
-def _module(op_name: str) -> str | None:
-  """The Flax module path in a jax name stack: "jit(step)/jvp(LM)/block_2/Dense_0/dot"
-  -> "LM/block_2/Dense_0" (transforms unwrapped, jitted functions such as jnp's left out)."""
-  parts = [p for p in op_name.split("/") if p]
-  out = []
-  for p in parts[1:-1]:
-    while (m := _TRANSFORM.match(p)):
-      p = m.group(1)
-    if p and not _JITTED.match(p):
-      out.append(p)
-  return "/".join(out) or None
-
-
-def _layer(module: str) -> str:
-  """The layer a module path is in: up to its first numbered component (`LM/block_2`)."""
-  out = []
-  for p in module.split("/"):
-    out.append(p)
-    if _NUMBERED.match(p):
-      break
-  return "/".join(out)
-
-
-def _order(layer: str):
-  m = _NUMBERED.match(layer)
-  return (m.group(1), int(m.group(2))) if m else (layer, -1)
-
-
-def _op(op_name: str) -> str:
-  """The operation a name stack ends with, without its parameters."""
-  return op_name.rsplit("/", 1)[-1].split("[", 1)[0] if op_name else ""
-
-
-def _shape(shape: str) -> str:
-  """A value's shape without XLA's layout: "f32[8192,256]{1,0:T(8,128)}" -> "f32[8192,256]"."""
-  m = _SHAPE.match(shape.strip())
-  return m.group(0) if m else shape.split("{")[0]
-
-
-def _padding(shape: str, size: int) -> int:
-  """Bytes a tiled layout adds to a value's own (0 where its shape is not an array's)."""
-  m = _SHAPE.match(shape.strip())
-  if not m or m.group(1) not in _DTYPE_BYTES:
-    return 0
-  dims = [int(d) for d in m.group(2).split(",") if d]
-  logical = math.prod(dims) * _DTYPE_BYTES[m.group(1)]
-  return max(0, size - logical) if logical else 0
-
-

@@ -22,6 +22,7 @@ import types
 from typing import Callable, Iterator
 
 import jax
+from absl import logging
 
 from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
@@ -56,8 +57,44 @@ def _nested_code(fun: Callable, name: str) -> types.CodeType | None:
 
 
 _VALUE_AND_GRAD_F = _nested_code(_ORIGINAL["value_and_grad"], "value_and_grad_f")
-_FOLLOW_BOUND = _jax_api is not None and _VALUE_AND_GRAD_F is not None and hasattr(
-    _jax_api, "vjp")
+# what `_vjp` reads from jax's value_and_grad_f frame: the call it intercepts
+_FRAME_NAMES = frozenset({"fun", "argnums", "has_aux", "args", "kwargs", "holomorphic",
+                          "allow_int"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Following:
+  """Whether the drop-in follows this jax's gradient functions: `jax.value_and_grad` /
+  `jax.grad` by attribute always; bound before the trace (`from jax import grad`) only
+  where jax's own `value_and_grad_f` is the one it knows. Checked once per process, and
+  said (the progress log, each gradient's note) where it is not: never a silent fallback."""
+  bound_names: bool
+  why_not: str | None = None
+
+  def message(self) -> str | None:
+    if self.bound_names:
+      return None
+    return (f"the drop-in could not follow `jax.value_and_grad` / `jax.grad` bound before "
+            f"the trace in jax {jax.__version__} ({self.why_not}): a step that imported "
+            f"them by name runs jax's own gradient, not split; call them as `jax.grad`, "
+            f"use `hbm_guard.value_and_grad`, or pin jax to a version hbm_guard knows")
+
+
+def _following() -> Following:
+  if _jax_api is None or not hasattr(_jax_api, "vjp"):
+    return Following(False, "jax._src.api has no `vjp`")
+  if _VALUE_AND_GRAD_F is None:
+    return Following(False, "jax.value_and_grad defines no `value_and_grad_f`")
+  code = _VALUE_AND_GRAD_F
+  missing = _FRAME_NAMES - {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
+  if missing:
+    return Following(False, f"its value_and_grad_f has no {', '.join(sorted(missing))}")
+  return Following(True)
+
+
+FOLLOWING = _following()
+_FOLLOW_BOUND = FOLLOWING.bound_names
+_SAID = []  # (the message said once per process)
 
 
 @contextlib.contextmanager
@@ -66,6 +103,9 @@ def intercepting(ctx: batch_context.Context | None) -> Iterator[None]:
   if ctx is None:
     yield
     return
+  if not FOLLOWING.bound_names and not _SAID:
+    _SAID.append(True)
+    logging.warning("hbm_guard: %s", FOLLOWING.message())
   token = _ACTIVE.set(ctx)
   try:
     with _SWAP.swapped(jax, {"value_and_grad": _value_and_grad, "grad": _grad}), (
@@ -144,7 +184,9 @@ def _vjp(fun: Callable, *primals, **kw):
     fun_, argnums, has_aux = call["fun"], call["argnums"], call["has_aux"]
     args, kwargs = call["args"], call["kwargs"]
     own_only = call["holomorphic"] or call["allow_int"]
-  except KeyError:  # pragma: no cover  (jax renamed them: its own gradient)
+  except KeyError as e:  # (jax renamed one: its own gradient, and said)
+    _note(Found("value_and_grad", (), None, Following(False, f"its frame has no {e}")
+                .message(), None))
     return own(fun, *primals, **kw)
   if own_only:  # as `_value_and_grad` does (which would call back here)
     return own(fun, *primals, **kw)

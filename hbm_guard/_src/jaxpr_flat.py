@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+from jax._src import source_info_util  # (jax's own eval_jaxpr keeps name stacks with it)
 from jax.extend import core as jcore
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -43,6 +44,9 @@ class Eqn:
   invars: tuple[Any, ...]  # Slot | Literal | Const
   outvars: tuple[Slot, ...]
   name_stack: str
+  # jax's own name stack of the equation, the calls it was inlined from included: the
+  # program the guard evaluates keeps the user's module names (in XProf and the breakdown)
+  stack: Any = None
 
   @property
   def primitive(self):
@@ -71,7 +75,7 @@ def flatten(closed: Any) -> Program:
   jaxpr = closed.jaxpr
   alias: dict[Any, Any] = {v: Slot(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars)}
   eqns: list[Eqn] = []
-  _inline(jaxpr, alias, eqns, "")
+  _inline(jaxpr, alias, eqns, "", source_info_util.new_name_stack())
   outs = tuple(_resolve(v, alias) for v in jaxpr.outvars)
   return Program(tuple(alias[v] for v in jaxpr.constvars),
                  tuple(alias[v] for v in jaxpr.invars), tuple(eqns), outs)
@@ -91,15 +95,16 @@ def _sub_closed(eqn):
   return None
 
 
-def _inline(jaxpr, alias, eqns: list, stack: str) -> None:
+def _inline(jaxpr, alias, eqns: list, stack: str, names) -> None:
   for eqn in jaxpr.eqns:
     invars = tuple(_resolve(v, alias) for v in eqn.invars)
     here = _join(stack, str(eqn.source_info.name_stack))
+    names_here = names + eqn.source_info.name_stack
     sub = _sub_closed(eqn) if eqn.primitive.name in _INLINED else None
     if sub is None:
       outs = tuple(Slot(v.aval) for v in eqn.outvars)
       alias.update(zip(eqn.outvars, outs))
-      eqns.append(Eqn(eqn, invars, outs, here))
+      eqns.append(Eqn(eqn, invars, outs, here, names_here))
       continue
     inner = getattr(sub, "jaxpr", sub)
     consts = getattr(sub, "consts", ())
@@ -107,7 +112,7 @@ def _inline(jaxpr, alias, eqns: list, stack: str) -> None:
       alias[v] = Const(c)
     for v, a in zip(inner.invars, invars):
       alias[v] = a
-    _inline(inner, alias, eqns, here)
+    _inline(inner, alias, eqns, here, names_here)
     for out, inner_out in zip(eqn.outvars, inner.outvars):
       alias[out] = _resolve(inner_out, alias)
     for v in (*inner.constvars, *inner.invars):
@@ -136,7 +141,10 @@ def bind(e: Eqn, env: dict, params: dict | None = None) -> None:
   params = e.primitive.get_bind_params(e.params if params is None else params)
   subfuns, bind_params = params if isinstance(params, tuple) else ([], params)
   invals = [read(v, env) for v in e.invars]
-  with e.eqn.ctx.manager:
+  stack = source_info_util.current_name_stack() + (
+      e.stack if e.stack is not None else e.eqn.source_info.name_stack)
+  with (source_info_util.user_context(e.eqn.source_info.traceback, name_stack=stack),
+        e.eqn.ctx.manager):
     ans = e.primitive.bind(*subfuns, *invals, **bind_params)
   if e.primitive.multiple_results:
     env.update(zip(e.outvars, ans))

@@ -11,6 +11,7 @@ import tempfile
 import time
 from typing import Any
 
+from hbm_guard._src import breakdown_check
 from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import record as record_lib
 
@@ -60,10 +61,21 @@ def build(*, function: str, status: Status | str, attempts: list[dict[str, Any]]
       "breakdown": next((a["breakdown"] for a in reversed(attempts) if a.get("breakdown")),
                         None),
       "probed": probed or [],  # where each probe's program's memory goes
+      # the first program's parts as the plan kept was predicted to leave them, beside
+      # what the compiler then allotted them in its program
+      "predicted_vs_compiled": _predicted_vs_compiled(attempts) if status == Status.FITS else [],
       "attempts": attempts,
       "ladder": ladder,
       "note": note,
   }
+
+
+def _predicted_vs_compiled(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  with_breakdown = [a for a in attempts if isinstance(a.get("breakdown"), dict)]
+  kept = attempts[-1] if attempts else None
+  if not with_breakdown or kept is None or kept is with_breakdown[0]:
+    return []
+  return breakdown_check.compare(with_breakdown[0], kept)
 
 
 def _applied(plan: dict[str, Any]) -> set[str]:
@@ -355,6 +367,12 @@ def render(data: dict[str, Any]) -> str:
   if data.get("withheld_rungs"):
     lines.append(f"  withheld (not allowed): {', '.join(data['withheld_rungs'])}")
   lines += breakdown_lines(data.get("breakdown"))
+  compared_parts = breakdown_check.lines(data.get("predicted_vs_compiled"), "    ")
+  if compared_parts:
+    said = breakdown_check.summary(data.get("predicted_vs_compiled"))
+    lines.append("  the first program's parts, predicted under the plan kept and compiled"
+                 + (f" ({said})" if said else "") + ":")
+    lines += compared_parts
   allocs = data.get("largest_allocations") or ()
   if allocs:
     lines.append("  largest allocations (last failure):")

@@ -140,6 +140,26 @@ def memory(b: dict[str, Any] | None) -> str:
           + (f"<ul class='muted'>{notes}</ul>" if notes else ""))
 
 
+def predicted(rows: Any) -> str:
+  """The first program's parts as the plan kept was predicted to leave them, beside what
+  the compiler allotted them."""
+  rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+  if not rows:
+    return ""
+  def size(x: Any, absent: str = "") -> str:
+    return _fmt(x) if isinstance(x, int) and not isinstance(x, bool) else absent
+
+  body = "".join(
+      f"<tr><td>{_e(r.get('kind'))}</td><td class='num'>{_e(size(r.get('before_bytes')))}</td>"
+      f"<td class='num'>{_e(size(r.get('predicted_bytes'), 'not predicted'))}</td>"
+      f"<td>{_e(r.get('by'))}</td><td class='num'>{_e(size(r.get('compiled_bytes')))}</td>"
+      f"<td>{_e({True: 'agrees', False: 'differs'}.get(r.get('agrees'), ''))}</td></tr>"
+      for r in rows)
+  return ("<h3>Predicted and compiled, for the plan kept</h3><table><tr><th>part</th>"
+          "<th>first program</th><th>predicted</th><th>by</th><th>compiled</th><th></th></tr>"
+          f"{body}</table>")
+
+
 def _safe_href(url: Any) -> str | None:
   """Only http(s) links: a report is a file anyone may have written."""
   if isinstance(url, str) and urllib.parse.urlsplit(url.strip()).scheme in ("http", "https"):
@@ -257,6 +277,7 @@ def render(data: dict[str, Any]) -> str:
 <th>why the next plan</th></tr>{''.join(rows)}</table>
 <h2>Diagnosis</h2>{diag or '<p class="muted">no out-of-memory recorded</p>'}
 {memory(data.get("breakdown"))}
+{predicted(data.get("predicted_vs_compiled"))}
 {refused}
 <h2>Largest allocations</h2>{('<table><tr><th>size</th><th>shape</th><th>padding</th><th>what</th><th>source</th></tr>' + ''.join(allocs) + '</table>') if allocs else '<p class="muted">the compiler listed none</p>'}
 <h2>Plan in force</h2>{_pin(data) if status == 'fits' else '<p class="muted">none: the step does not fit</p>'}
