@@ -58,12 +58,22 @@ BENCHMARKS = (
     Benchmark("scale_unmodified", "At a real size, the step unmodified",
               ("-m", "benchmarks.bench_scale", "--unmodified", "--skip-halving"),
               "the same, with nothing plan-aware in the step: the drop-in's analysis"),
+    Benchmark("breakdown", "Where the memory goes, at a real size",
+              ("-m", "benchmarks.bench_breakdown"),
+              "the 368M LM unmodified for v5e:1x1 fitted with the memory breakdown on and "
+              "off: what it adds to the fit, the kept plan's breakdown, and the first "
+              "program's parts predicted under the plan kept against the compiled ones"),
     Benchmark("call_overhead", "What the guard adds to a call",
               ("-m", "benchmarks.bench_call_overhead"),
               "per-call time against jax.jit, interleaved"),
     Benchmark("exactness_fuzz", "The drop-in against jax.jit",
               ("-m", "benchmarks.bench_exactness_fuzz", "--programs", "2000"),
               "random loss programs split under pinned microbatch plans: none may differ"),
+    Benchmark("outside", "Train steps nobody here wrote",
+              ("-m", "benchmarks.bench_outside"),
+              "three readings of steps written by sessions that had not read the analysis's "
+              "rules, each under microbatch(4) against jax.jit: what splits, what is refused "
+              "and why, and none may differ"),
     Benchmark("offload", "Optimizer-state offload on v5e",
               ("-m", "benchmarks.bench_offload"), "device peak by libtpu's own figures"),
     Benchmark("parse", "Parsing untrusted logs", ("-m", "benchmarks.bench_parse_adversarial"),

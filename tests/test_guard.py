@@ -294,10 +294,14 @@ def mlp_step(params, x):
   return [w - 0.1 * gw for w, gw in zip(params, g)], value
 
 
-def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_path):
+@pytest.mark.parametrize("breakdown", [False, True])
+def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_path, breakdown,
+                                                                          monkeypatch):
   """On this host a probe is a full compile: the plan the fit chooses runs that executable,
   not a second compile of it (the plan comes back with its rungs named in another order,
-  and its jit object was keyed by that order: each fit compiled its plan twice)."""
+  and its jit object was keyed by that order: each fit compiled its plan twice). With the
+  memory breakdown on, a plan that does not fit is compiled again with the dump's options
+  (which key another executable); the plan kept never is: the first call compiles nothing."""
   from jax._src import dispatch, monitoring  # pylint: disable=import-outside-toplevel
   compiles = []
 
@@ -306,10 +310,16 @@ def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_pa
     if event == dispatch.BACKEND_COMPILE_EVENT:
       compiles.append(event)
 
+  from hbm_guard._src import backend  # pylint: disable=import-outside-toplevel
+  dumped = []
+  again = backend._compile_for_the_dump  # pylint: disable=protected-access
+  monkeypatch.setattr(backend, "_compile_for_the_dump",
+                      lambda *a: (dumped.append(1), again(*a))[1])
   params = [jnp.full((128, 128), 0.01) for _ in range(4)]
   x = jnp.ones((4096, 128))
   step = hbm_guard.guarded_jit(mlp_step, state_argnums=0, capacity="9MiB", max_class="numerics",
-                               report_dir=str(tmp_path), plan_cache=False)
+                               report_dir=str(tmp_path), plan_cache=False,
+                               memory_breakdown=breakdown)
   monitoring.register_event_duration_secs_listener(on_event)
   try:
     plan = step.fit(params, x)
@@ -322,8 +332,14 @@ def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_pa
   assert plan.microbatches > 1 and len(step.attempts) == 2
   assert program(plan) in {program(p) for p in probes}
   # one compile per program the fit tried (the plain step, each probe, prefetched or read)
-  assert fit_compiles == len({program(key[0]) for key in step._step._jits})
+  tried = len({program(key[0]) for key in step._step._jits})
+  assert fit_compiles == tried + len(dumped)
   assert len(compiles) == fit_compiles
+  if breakdown:  # the step as written once more, for its dump; the plan kept never
+    assert len(dumped) == 1 and step.attempts[0].breakdown is not None
+    assert step.attempts[-1].breakdown is None
+  else:
+    assert not dumped
 
 
 @pytest.mark.parametrize("value", [

@@ -100,6 +100,15 @@ class Backend(Protocol):
                      ) -> Callable[[], compile_lib.Trial]: ...
 
 
+def _compile_for_the_dump(compile_fn, options) -> None:
+  """Compiles once more with a dump's options, for the breakdown only (never raises: an
+  out-of-memory has dumped its program before it failed)."""
+  try:
+    compile_fn(options)
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
 class _Base:
   """What both backends share: the step, the options, and the facts a trial gives."""
   platform = ""
@@ -112,6 +121,7 @@ class _Base:
     self.step, self.options = step, options
     self._refused: dict[Any, str | None] = {}  # (signature, state) -> why reshard is refused
     self._refusing = threading.Lock()  # the preparation thread asks too, while a compile runs
+    self._dumped = False  # (runs_here: the one failure compiled again for its breakdown)
 
   def devices(self) -> list[Any]:
     raise NotImplementedError
@@ -194,9 +204,20 @@ class _Base:
     """`compile_fn(options)` compiled (with a dump's options where a breakdown is asked
     for), classified, and broken down from the dump."""
     with memory_dump.scope(self.options.memory_breakdown) as dump:
-      trial = compile_lib.try_compile(plan, lambda: compile_fn(dump.options()), facts_fn,
+      # where the executable compiled is the one the calls run (`runs_here`), it is compiled
+      # as they will be (a dump's options would key another): the first plan that does not
+      # fit (the step as written) is compiled once more, with the dump, for its breakdown;
+      # no other is (a compile each, on a GPU minutes)
+      first = {} if self.runs_here else dump.options()
+      trial = compile_lib.try_compile(plan, lambda: compile_fn(first), facts_fn,
                                       capacity=capacity, name=self.step.name, speed=speed)
       self.step.learn(trial.facts)
+      if self.runs_here and dump.directory is not None:
+        if trial.outcome is not compile_lib.Outcome.OOM or self._dumped:
+          return dataclasses.replace(trial, layout=layout_lib.describe(
+              placed, [i for i, _ in self.step.replaced]))
+        self._dumped = True
+        _compile_for_the_dump(compile_fn, dump.options())
       layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
       args = memory_dump.arguments(self.step.fun, self.options.state_argnums,
                                    plan.microbatches, len(self.devices()))

@@ -110,10 +110,11 @@ class Context:
                               if getattr(x, "ndim", 0) >= 1 and not is_key(x))
     # (of the loss's own: a size at least two of its arrays lead with, as a minibatch's
     # inputs and labels do; one example's features, one key's words, are not a batch)
-    # (a size every batch leaf holds on some axis, first where there are two or more: data
-    # stored features-first, [D, B] beside [K, B], holds its batch on the last axis)
+    # (where no first axis is shared by two leaves, a size every batch leaf holds on some
+    # axis, first: data stored features-first, [D, B] beside [K, B], holds its batch last)
     shapes = [set(shape) for _, shape, _ in self.candidates]
-    every = sorted(set.intersection(*shapes) - set(counts), reverse=True) if len(shapes) > 1 else []
+    every = sorted(set.intersection(*shapes) - set(counts), reverse=True) if (
+        len(shapes) > 1 and max(counts.values()) == 1) else []
     sizes = every + [n for n, _ in counts.most_common()]
     sizes += [n for n, c in own.most_common() if c > 1]
     return [self.sized(n) for n in dict.fromkeys(sizes)

@@ -20,8 +20,9 @@ _SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]")
 _TRANSFORM = re.compile(r"^(?:jvp|transpose|vmap|remat|checkpoint|rematted_computation)\((.*)\)$")
 _JITTED = re.compile(r"^p?jit\((.*)\)$")
 # control flow and the guard's own evaluation in a name stack: no module of the user's
-# (a microbatched step's ops run under "while/body/eval_jaxpr")
-_CONTROL = frozenset({"while", "body", "cond", "scan", "eval_jaxpr", "checkpoint", "remat",
+# (a microbatched step's ops run under "while/body/eval_jaxpr", "closed_call" in jax 0.10)
+_CONTROL = frozenset({"while", "body", "cond", "scan", "eval_jaxpr", "closed_call",
+                      "core_call", "checkpoint", "remat",
                       "rematted_computation", "shard_map", "branch", "custom_jvp_call",
                       "custom_vjp_call"})
 
