@@ -310,11 +310,10 @@ def test_a_plan_probed_then_chosen_runs_the_executable_its_probe_compiled(tmp_pa
     if event == dispatch.BACKEND_COMPILE_EVENT:
       compiles.append(event)
 
-  from hbm_guard._src import backend  # pylint: disable=import-outside-toplevel
+  from hbm_guard._src import memory_dump  # pylint: disable=import-outside-toplevel
   dumped = []
-  again = backend._compile_for_the_dump  # pylint: disable=protected-access
-  monkeypatch.setattr(backend, "_compile_for_the_dump",
-                      lambda *a: (dumped.append(1), again(*a))[1])
+  again = memory_dump.compile_again
+  monkeypatch.setattr(memory_dump, "compile_again", lambda *a: (dumped.append(1), again(*a))[1])
   params = [jnp.full((128, 128), 0.01) for _ in range(4)]
   x = jnp.ones((4096, 128))
   step = hbm_guard.guarded_jit(mlp_step, state_argnums=0, capacity="9MiB", max_class="numerics",

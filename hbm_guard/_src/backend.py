@@ -100,15 +100,6 @@ class Backend(Protocol):
                      ) -> Callable[[], compile_lib.Trial]: ...
 
 
-def _compile_for_the_dump(compile_fn, options) -> None:
-  """Compiles once more with a dump's options, for the breakdown only (never raises: an
-  out-of-memory has dumped its program before it failed)."""
-  try:
-    compile_fn(options)
-  except Exception:  # pylint: disable=broad-except
-    pass
-
-
 class _Base:
   """What both backends share: the step, the options, and the facts a trial gives."""
   platform = ""
@@ -137,12 +128,9 @@ class _Base:
   def stage(self, plan, key, args, kwargs) -> None:
     raise NotImplementedError("this backend does not stage")
 
-  stage_ahead = stage
+  stage_ahead = staged_compile = stage
 
   def staged_probe(self, plan, key, args, kwargs, low_effort=False):
-    raise NotImplementedError("this backend does not stage")
-
-  def staged_compile(self, plan, key, args, kwargs):
     raise NotImplementedError("this backend does not stage")
 
   def runnable(self, plan: plan_lib.Plan) -> plan_lib.Plan:
@@ -204,21 +192,17 @@ class _Base:
     """`compile_fn(options)` compiled (with a dump's options where a breakdown is asked
     for), classified, and broken down from the dump."""
     with memory_dump.scope(self.options.memory_breakdown) as dump:
-      # where the executable compiled is the one the calls run (`runs_here`), it is compiled
-      # as they will be (a dump's options would key another): the first plan that does not
-      # fit (the step as written) is compiled once more, with the dump, for its breakdown;
-      # no other is (a compile each, on a GPU minutes)
-      first = {} if self.runs_here else dump.options()
-      trial = compile_lib.try_compile(plan, lambda: compile_fn(first), facts_fn,
-                                      capacity=capacity, name=self.step.name, speed=speed)
+      # (`runs_here`: compiled as the calls will run it, a dump's options keying another;
+      # the first failure, the step as written, is compiled again for its dump: no other)
+      trial = compile_lib.try_compile(
+          plan, lambda: compile_fn({} if self.runs_here else dump.options()), facts_fn,
+          capacity=capacity, name=self.step.name, speed=speed)
       self.step.learn(trial.facts)
+      layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
       if self.runs_here and dump.directory is not None:
         if trial.outcome is not compile_lib.Outcome.OOM or self._dumped:
-          return dataclasses.replace(trial, layout=layout_lib.describe(
-              placed, [i for i, _ in self.step.replaced]))
-        self._dumped = True
-        _compile_for_the_dump(compile_fn, dump.options())
-      layout = layout_lib.describe(placed, [i for i, _ in self.step.replaced])
+          return dataclasses.replace(trial, layout=layout)
+        self._dumped = memory_dump.compile_again(compile_fn, dump.options())
       args = memory_dump.arguments(self.step.fun, self.options.state_argnums,
                                    plan.microbatches, len(self.devices()))
       return dataclasses.replace(trial, layout=layout, breakdown=dump.breakdown(args, trial))

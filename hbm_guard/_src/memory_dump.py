@@ -59,6 +59,16 @@ class Scope:
       return None
 
 
+def compile_again(compile_fn: Callable[[dict], Any], options: dict[str, Any]) -> bool:
+  """Compiles once more with a dump's options, for the breakdown only: True, whatever
+  happened (an out-of-memory has dumped its program before it failed)."""
+  try:
+    compile_fn(options)
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return True
+
+
 def figure_of(trial: Any) -> tuple[int | None, str | None]:
   """The compiler's own figure for a trial's program, and what it is."""
   rec = getattr(trial, "record", None)
