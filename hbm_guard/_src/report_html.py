@@ -142,22 +142,26 @@ def memory(b: dict[str, Any] | None) -> str:
 
 def predicted(rows: Any) -> str:
   """The first program's parts as the plan kept was predicted to leave them, beside what
-  the compiler allotted them."""
+  the compiler allotted them (and held on chip)."""
   rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
   if not rows:
     return ""
+
   def size(x: Any, absent: str = "") -> str:
     return _fmt(x) if isinstance(x, int) and not isinstance(x, bool) else absent
 
-  body = "".join(
-      f"<tr><td>{_e(r.get('kind'))}</td><td class='num'>{_e(size(r.get('before_bytes')))}</td>"
-      f"<td class='num'>{_e(size(r.get('predicted_bytes'), 'not predicted'))}</td>"
-      f"<td>{_e(r.get('by'))}</td><td class='num'>{_e(size(r.get('compiled_bytes')))}</td>"
-      f"<td>{_e({True: 'agrees', False: 'differs'}.get(r.get('agrees'), ''))}</td></tr>"
-      for r in rows)
+  def row(r: dict[str, Any]) -> str:
+    chip = size(r.get("on_chip_bytes")) if r.get("on_chip_bytes") else ""
+    chip = f" <span class='muted'>(+{_e(chip)} on chip)</span>" if chip else ""
+    verdict = {True: "agrees", False: "differs"}.get(r.get("agrees"), "")
+    return (f"<tr><td>{_e(r.get('kind'))}</td><td class='num'>{_e(size(r.get('before_bytes')))}"
+            f"</td><td class='num'>{_e(size(r.get('predicted_bytes'), 'not predicted'))}</td>"
+            f"<td>{_e(r.get('by'))}</td><td class='num'>{_e(size(r.get('compiled_bytes')))}"
+            f"{chip}</td><td>{_e(verdict)}</td></tr>")
+
   return ("<h3>Predicted and compiled, for the plan kept</h3><table><tr><th>part</th>"
           "<th>first program</th><th>predicted</th><th>by</th><th>compiled</th><th></th></tr>"
-          f"{body}</table>")
+          f"{''.join(row(r) for r in rows)}</table>")
 
 
 def _safe_href(url: Any) -> str | None:
