@@ -106,3 +106,42 @@ def test_the_climbs_own_compile_is_waited_for_no_longer_than_the_budget(tmp_path
     assert started.is_set() and time.perf_counter() - t0 < 30
   finally:
     release.set()
+
+
+def test_each_progress_line_is_said_once_absl_repeats_it_only_at_debug(tmp_path, capsys):
+  """#58 item 7: with absl logging at INFO (an absl binary's default), a fit's compiles and
+  probes are on stderr once, from the progress line; absl's debug level (-v 1) has the detail."""
+  from absl import logging as absl_logging
+  g = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak(),
+                            report_dir=str(tmp_path))
+  old = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.DEBUG)
+  try:
+    with _records() as records:
+      g(jnp.array(W), X)
+  finally:
+    absl_logging.set_verbosity(old)
+  err = capsys.readouterr().err
+  assert " probe donate" in err and "compile plain jit: does not fit" in err
+  info = [r.getMessage() for r in records if r.levelname == "INFO"]
+  debug = [r.getMessage() for r in records if r.levelname == "DEBUG"]
+  assert not [m for m in info if " probe " in m or " attempt #" in m or "next plan" in m], info
+  assert any(" attempt #1 " in m for m in debug) and any("probe donate" in m for m in debug)
+  assert any("fits with donate" in m for m in info)  # the decision, once, at INFO
+
+
+class _records:
+  """absl's log records while a fit runs (absl's handler formats, this one keeps)."""
+
+  def __enter__(self):
+    import logging as std_logging
+    from absl import logging as absl_logging
+    self.kept: list = []
+    self.handler = std_logging.Handler(level=std_logging.DEBUG)
+    self.handler.emit = self.kept.append
+    self.logger = absl_logging.get_absl_logger()
+    self.logger.addHandler(self.handler)
+    return self.kept
+
+  def __exit__(self, *exc):
+    self.logger.removeHandler(self.handler)

@@ -4,6 +4,7 @@ Compile seconds, not compile counts, are what a user waits for. A fit starts no 
 probe that its budget (`max_fit_seconds`) cannot pay for, judged by the dearest one of the
 same kind so far (a first probe by the first compile: at real size they cost alike). Once a
 step has not fit, each compile and probe is a line on stderr, without configuring absl.
+That line is the one channel for progress: absl's log repeats it only at debug (`-v 1`).
 """
 
 from __future__ import annotations
@@ -89,14 +90,16 @@ class Progress:
     self._stream = stream
     self._active = False
 
-  def _say(self, text: str) -> None:
+  def _say(self, text: str) -> bool:
+    """Whether the line was printed (progress on, and the step has not fit)."""
     if not (self.enabled and self._active):
-      return
+      return False
     limit = f" of {self.budget.limit:.0f}" if self.budget.limit is not None else ""
     stream = self._stream or sys.stderr
     print(f"hbm_guard: {self.name}: {text} [{self.budget.elapsed:.0f}{limit} s; "
           f"{self.budget.count(Spend.COMPILE)} compile(s), "
           f"{self.budget.count(Spend.PROBE)} probe(s)]", file=stream, flush=True)
+    return True
 
   def compiled(self, described: str, fits: bool, need: int | None, capacity: int | None,
                seconds: float, parts: str | None = None) -> None:
@@ -117,5 +120,5 @@ class Progress:
     self._say(f"probe {described}: needs {diagnose_lib.format_bytes(need)} ({seconds:.1f} s)"
               f"{largest}")
 
-  def stopped(self, why: str) -> None:
-    self._say(why)
+  def stopped(self, why: str) -> bool:
+    return self._say(why)

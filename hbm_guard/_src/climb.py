@@ -137,5 +137,5 @@ def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_li
       return Result(Status.DIAGNOSED, plan, tuple(attempts), trial)
     if nxt is None or len(attempts) >= max_attempts:
       return Result(Status.EXHAUSTED, plan, tuple(attempts), trial)
-    logging.info("hbm_guard: next plan %s", nxt.describe())
+    logging.debug("hbm_guard: next plan %s", nxt.describe())
     plan = nxt

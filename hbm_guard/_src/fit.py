@@ -280,9 +280,10 @@ class Fit:
   def _refused(self, plan: plan_lib.Plan, why: str | None) -> None:
     """A refusal met tracing `plan`, in the report and the progress line (once each)."""
     if why and self.ledger.refuse(plan, why):
-      self.progress.stopped(f"{plan.describe()}: the batch was not split: {why}")
-      logging.info("hbm_guard: %s: the batch was not split under %s: %s", self.step.name,
-                   plan.describe(), why)
+      said = self.progress.stopped(f"{plan.describe()}: the batch was not split: {why}")
+      log = logging.debug if said else logging.info  # said once, where a person looks
+      log("hbm_guard: %s: the batch was not split under %s: %s", self.step.name,
+          plan.describe(), why)
 
   def _paid(self, plan: plan_lib.Plan, trial: compile_lib.Trial) -> compile_lib.Trial:
     """A compile's seconds counted against the budget, and its line of progress."""

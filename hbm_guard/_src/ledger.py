@@ -57,7 +57,8 @@ class Ledger:
     if attempt.outcome is not compile_lib.Outcome.FITS:
       self.write(Status.CLIMBING)
     need = attempt.record.required_bytes if attempt.record else (attempt.memory or {}).get("peak")
-    logging.info("hbm_guard: %s attempt #%d [%s] %s: %s%s in %.1f s", self.name,
+    # Detail: the progress line said it already (absl's -v 1 shows it again, with its signature).
+    logging.debug("hbm_guard: %s attempt #%d [%s] %s: %s%s in %.1f s", self.name,
                  attempt.number, attempt.signature, attempt.plan.describe(), attempt.outcome,
                  f", needs {diagnose_lib.format_bytes(need)}" if need else "",
                  attempt.seconds)

@@ -138,7 +138,7 @@ class Driver:
         t0 = self._clock()
         need = self._probe(plan)
         seconds = self._clock() - t0
-      logging.info("hbm_guard: probe %s: %s bytes (%.1f s)", plan.describe(), need, seconds)
+      logging.debug("hbm_guard: probe %s: %s bytes (%.1f s)", plan.describe(), need, seconds)
       self.update(state_lib.observe_probe, plan, need, seconds)
     return self.state.needs[plan]
 
