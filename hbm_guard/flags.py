@@ -8,80 +8,45 @@ Defined here, not in the core, so `import hbm_guard` registers no flags. A binar
 and is run with `--hbm_guard_auto_fallback --hbm_guard_target=v5e:2x2 ...`.
 """
 
+import dataclasses
+
 from absl import flags
 
-AUTO_FALLBACK = flags.DEFINE_bool(
-    "hbm_guard_auto_fallback", False,
-    "On a compile-time out-of-memory (E1000), recompile down the fallback ladder. Off: the "
-    "error is diagnosed and reported, then raised as the compiler raised it.")
-MAX_CLASS = flags.DEFINE_enum(
-    "hbm_guard_max_class", "exact", ["exact", "numerics", "behaviour"],
-    "Highest rung class allowed: exact (same math), numerics (same math, other rounding, "
-    "e.g. microbatching), behaviour (may change training, e.g. bf16).")
-MAX_ATTEMPTS = flags.DEFINE_integer(
-    "hbm_guard_max_attempts", 8, "Most compiles per input signature.", lower_bound=1)
-TARGET = flags.DEFINE_string(
-    "hbm_guard_target", None, "Compile for this TPU topology (e.g. v5e:2x2) with libtpu.")
-CAPACITY = flags.DEFINE_string(
-    "hbm_guard_capacity", None,
-    "Memory per device the step must fit: bytes, '16GiB', or a device name ('v5e').")
-REPORT_DIR = flags.DEFINE_string(
-    "hbm_guard_report_dir", None, "Where the post-mortem JSON report is written.")
-LADDER = flags.DEFINE_string(
-    "hbm_guard_ladder", None, "A ladder JSON file replacing configs/ladder.json.")
+from hbm_guard._src import options as _options
 
-PLAN_CACHE = flags.DEFINE_string(
-    "hbm_guard_plan_cache", None,
-    "Directory remembering the plan that fit each program and input signature, so a "
-    "restart compiles once; 'off' disables. Default: $HBM_GUARD_PLAN_CACHE, else "
-    "~/.cache/hbm_guard/plans.")
-RETRY_EXHAUSTED = flags.DEFINE_bool(
-    "hbm_guard_plan_cache_retry_exhausted", False,
-    "Climb again even when the plan cache remembers that nothing fit this program (after "
-    "changing something the cache cannot see).")
-HEADROOM = flags.DEFINE_float(
-    "hbm_guard_headroom", 0.95,
-    "Fraction of the capacity a predicted figure must stay under; the compiler's exact "
-    "figure is held against the capacity itself.", lower_bound=0.5, upper_bound=1.0)
 
-MAX_FIT_SECONDS = flags.DEFINE_float(
-    "hbm_guard_max_fit_seconds", None,
-    "Time budget of one fit, in seconds: no compile or probe starts that the budget cannot "
-    "pay for (by what earlier ones cost); the fit then stops and says so.", lower_bound=1.0)
-PROGRESS = flags.DEFINE_bool(
-    "hbm_guard_progress", True,
-    "Once a step does not fit, print a line to stderr for each compile and probe.")
+def _define(field) -> flags.FlagHolder:
+  """`--hbm_guard_<field>` from a GuardOptions field: its default, help and bounds are the
+  option's own (options.py), written once."""
+  spec: _options.Flag = field.metadata["flag"]
+  name, default = f"hbm_guard_{field.name}", _options.flag_default(field)
+  kind = _options.FlagKind
+  if spec.kind is kind.ENUM:
+    return flags.DEFINE_enum(name, default, [m.value for m in type(field.default)], spec.help)
+  define = {kind.BOOL: flags.DEFINE_bool, kind.INTEGER: flags.DEFINE_integer,
+            kind.FLOAT: flags.DEFINE_float, kind.STRING: flags.DEFINE_string}[spec.kind]
+  return define(name, default, spec.help, **spec.bounds)
 
-TIMED_RIVALS = flags.DEFINE_integer(
-    "hbm_guard_timed_rivals", 6,
-    "Where the step runs on this host's devices: how many plans that fit near the search's "
-    "choice are timed against it on the first steps (the fastest is kept and remembered); "
-    "0: the search's choice, priced by flops.", lower_bound=0)
 
-ESTIMATED_RIVALS = flags.DEFINE_integer(
-    "hbm_guard_estimated_rivals", 0,
-    "For a target (--hbm_guard_target): how many plans that may fit near the search's choice "
-    "are compiled, the one the compiled programs estimate fastest kept (each costs a "
-    "compile); 0: the search's choice, priced by flops.", lower_bound=0)
+_HOLDERS = {f.name: _define(f) for f in dataclasses.fields(_options.GuardOptions)
+            if "flag" in f.metadata}
 
-AUTO_PLAN_AWARE = flags.DEFINE_bool(
-    "hbm_guard_auto_plan_aware", True,
-    "Give an unmodified step the microbatch and remat rungs: its jax.value_and_grad / "
-    "jax.grad is split into microbatches where the loss is a function of batch sums (exact), "
-    "and its repeated layers checkpointed. False: only steps built with the helpers.")
-
-MEMORY_BREAKDOWN = flags.DEFINE_bool(
-    "hbm_guard_memory_breakdown", True,
-    "Each compile and probe dumps its program, and the report says where its memory goes "
-    "(by kind, by layer, by buffer and source line, each part with the rung that removes "
-    "it).")
-
-_HOLDERS = {"auto_fallback": AUTO_FALLBACK, "max_class": MAX_CLASS, "max_attempts": MAX_ATTEMPTS,
-            "target": TARGET, "capacity": CAPACITY, "report_dir": REPORT_DIR, "ladder": LADDER,
-            "plan_cache": PLAN_CACHE, "plan_cache_retry_exhausted": RETRY_EXHAUSTED,
-            "headroom": HEADROOM, "max_fit_seconds": MAX_FIT_SECONDS, "progress": PROGRESS,
-            "auto_plan_aware": AUTO_PLAN_AWARE, "timed_rivals": TIMED_RIVALS,
-            "estimated_rivals": ESTIMATED_RIVALS, "memory_breakdown": MEMORY_BREAKDOWN}
+AUTO_FALLBACK = _HOLDERS["auto_fallback"]
+MAX_CLASS = _HOLDERS["max_class"]
+MAX_ATTEMPTS = _HOLDERS["max_attempts"]
+TARGET = _HOLDERS["target"]
+CAPACITY = _HOLDERS["capacity"]
+REPORT_DIR = _HOLDERS["report_dir"]
+LADDER = _HOLDERS["ladder"]
+PLAN_CACHE = _HOLDERS["plan_cache"]
+RETRY_EXHAUSTED = _HOLDERS["plan_cache_retry_exhausted"]
+HEADROOM = _HOLDERS["headroom"]
+MAX_FIT_SECONDS = _HOLDERS["max_fit_seconds"]
+PROGRESS = _HOLDERS["progress"]
+TIMED_RIVALS = _HOLDERS["timed_rivals"]
+ESTIMATED_RIVALS = _HOLDERS["estimated_rivals"]
+AUTO_PLAN_AWARE = _HOLDERS["auto_plan_aware"]
+MEMORY_BREAKDOWN = _HOLDERS["memory_breakdown"]
 
 
 def guard_options(defaults: dict | None = None) -> dict:
@@ -98,5 +63,4 @@ def guard_options(defaults: dict | None = None) -> dict:
 def options(defaults: dict | None = None, **overrides):
   """The parsed flags as one checked `GuardOptions` (`guarded_jit(step, options=...)`);
   `overrides` (state_argnums=0, jax.jit's options) are the binary's own."""
-  from hbm_guard._src import options as options_lib  # pylint: disable=g-import-not-at-top
-  return options_lib.make(**{**guard_options(defaults), **overrides})
+  return _options.make(**{**guard_options(defaults), **overrides})

@@ -193,6 +193,34 @@ def test_flags_feed_guard_options():
   assert step.plan == hbm_guard.Plan()
 
 
+def test_each_option_default_is_written_once_in_guard_options():
+  """#58 item 4: guarded_jit's keywords and the absl flags take their defaults, help and
+  bounds from GuardOptions' fields; a flag exists for each field that declares one."""
+  import dataclasses
+  import inspect
+  from absl import flags
+  from hbm_guard import flags as hbm_flags
+  from hbm_guard._src import options as options_lib
+  fields = {f.name: f for f in dataclasses.fields(hbm_guard.GuardOptions)}
+  keywords = {name: p.default for name, p in
+              inspect.signature(hbm_guard.guarded_jit).parameters.items()
+              if name in fields and p.kind is p.KEYWORD_ONLY}
+  assert len(keywords) >= 13
+  for name, default in keywords.items():
+    assert default.value is fields[name].default, name
+  flagged = {name for name, f in fields.items() if "flag" in f.metadata}
+  assert set(hbm_flags._HOLDERS) == flagged and len(flagged) == 16
+  for name in flagged:
+    flag = flags.FLAGS[f"hbm_guard_{name}"]
+    assert flag.default == options_lib.flag_default(fields[name]), name
+    assert flag.help.endswith(fields[name].metadata["flag"].help)  # enum: "<a|b|c>: " first
+  assert flags.FLAGS["hbm_guard_auto_fallback"].default is False  # a binary opts in by flag
+  assert flags.FLAGS["hbm_guard_headroom"].default == hbm_guard.GuardOptions().headroom
+  with pytest.raises(flags.IllegalFlagValueError):
+    flags.FLAGS["hbm_guard_max_attempts"].parse("0")  # the bound travels with the field
+  assert repr(keywords["max_class"]) == "'exact'"  # help() shows the value a user types
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _parse_flags():
   from absl import flags

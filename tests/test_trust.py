@@ -341,7 +341,7 @@ def test_each_attempt_is_in_the_report_before_it_is_logged(tmp_path):
   handler = Check()
   absl_logging.get_absl_logger().addHandler(handler)
   old = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.INFO)
+  absl_logging.set_verbosity(absl_logging.DEBUG)  # attempt lines are detail: -v 1
   try:
     step = hbm_guard.guarded_jit(sgd_step, capacity="1KiB", report_dir=str(tmp_path))
     with pytest.raises(hbm_guard.LadderExhaustedError):

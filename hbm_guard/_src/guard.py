@@ -12,6 +12,7 @@ jit (no recompiles), and the executable the fit compiled is the one the next cal
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import os
 import threading
@@ -26,7 +27,6 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
 from hbm_guard._src import estimated as estimated_lib
 from hbm_guard._src import fit as fit_lib
-from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
@@ -323,29 +323,33 @@ class _Bound:
 
 class _Default:
   """A keyword's default, told apart from the same value given explicitly (which, beside
-  `options=`, replaces that field); shown as the value itself in help()."""
+  `options=`, replaces that field); shown as the value itself in help(). The value is
+  GuardOptions' own field default, written there once."""
   __slots__ = ("value",)
 
-  def __init__(self, value):
-    self.value = value
+  def __init__(self, option: str):
+    self.value = _OPTION_FIELDS[option].default
 
   def __repr__(self):
-    return repr(self.value)
+    return repr(self.value.value if isinstance(self.value, enum.Enum) else self.value)
+
+
+_OPTION_FIELDS = {f.name: f for f in dataclasses.fields(options_lib.GuardOptions)}
 
 
 def guarded_jit(fun: Callable | None = None, /, *,
-                capacity: int | str | None = _Default(None),
-                target: str | None = _Default(None), max_class: str = _Default("exact"),
-                max_attempts: int = _Default(8),
-                ladder: str | Sequence[Any] | None = _Default(None),
-                state_argnums: int | Sequence[int] = _Default(()),
-                report_dir: str | None = _Default(None),
-                auto_fallback: bool = _Default(True),
-                plan_cache: str | os.PathLike | bool | None = _Default(None),
-                plan: plan_lib.Plan | dict | str | None = _Default(None),
-                search: str = _Default("probes"),
-                headroom: float = _Default(ladder_lib.HEADROOM),
-                plan_cache_retry_exhausted: bool = _Default(False),
+                capacity: int | str | None = _Default("capacity"),
+                target: str | None = _Default("target"), max_class: str = _Default("max_class"),
+                max_attempts: int = _Default("max_attempts"),
+                ladder: str | Sequence[Any] | None = _Default("ladder"),
+                state_argnums: int | Sequence[int] = _Default("state_argnums"),
+                report_dir: str | None = _Default("report_dir"),
+                auto_fallback: bool = _Default("auto_fallback"),
+                plan_cache: str | os.PathLike | bool | None = _Default("plan_cache"),
+                plan: plan_lib.Plan | dict | str | None = _Default("plan"),
+                search: str = _Default("search"),
+                headroom: float = _Default("headroom"),
+                plan_cache_retry_exhausted: bool = _Default("plan_cache_retry_exhausted"),
                 options: options_lib.GuardOptions | None = None,
                 **jit_kwargs):
   """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.

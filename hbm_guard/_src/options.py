@@ -118,38 +118,107 @@ def read_plan(value: Any) -> plan_lib.Plan | None:
   return plan_lib.Plan.from_dict(value)
 
 
+class FlagKind(enum.Enum):
+  """Which absl `DEFINE_*` an option's flag is (`hbm_guard.flags` defines them)."""
+  BOOL = "bool"
+  ENUM = "enum"
+  INTEGER = "integer"
+  FLOAT = "float"
+  STRING = "string"  # parsed by the option, as a keyword given as a string would be
+
+
+_OWN_DEFAULT = object()  # a flag whose default is its option's
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """How an option is an absl flag `--hbm_guard_<option>`: its help, its kind, its bounds.
+  Its default is the option's own unless `default` says otherwise (`auto_fallback`: a
+  binary switches the climb on by flag)."""
+  help: str
+  kind: FlagKind = FlagKind.STRING
+  bounds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  default: Any = _OWN_DEFAULT
+
+
+def _option(default: Any, help_: str, kind: FlagKind = FlagKind.STRING, *,
+            flag_default: Any = _OWN_DEFAULT, **bounds: float) -> Any:
+  """A field of GuardOptions that is also a flag: its default and help written once."""
+  return dataclasses.field(default=default, metadata={
+      "flag": Flag(help_, kind, types.MappingProxyType(bounds), flag_default)})
+
+
+def flag_default(field: dataclasses.Field) -> Any:
+  """The flag's default for an option field: its own, an enum by its value."""
+  spec: Flag = field.metadata["flag"]
+  value = field.default if spec.default is _OWN_DEFAULT else spec.default
+  return value.value if isinstance(value, enum.Enum) else value
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardOptions:
   """The options of one guarded step, parsed: each field holds its parsed type, whatever
   form it was given in (a size string for `capacity`, a topology name for `target`, a
-  class name, a ladder file, a plan file...). See `guarded_jit` for what each does."""
-  capacity: int | None = None  # given as bytes, '16GiB' or a device name
-  target: targets_lib.Target | None = None  # given as a topology name
-  max_class: RungClass = RungClass.EXACT  # given as its name
-  max_attempts: int = 8
-  ladder: tuple[ladder_lib.Rung, ...] = None  # given as a path or rungs; None: the default
+  class name, a ladder file, a plan file...). See `guarded_jit` for what each does. Each
+  field's default is written here only: `guarded_jit`'s keywords and `hbm_guard.flags`
+  (the fields with a `Flag`) take theirs from it."""
+  capacity: int | None = _option(  # given as bytes, '16GiB' or a device name
+      None, "Memory per device the step must fit: bytes, '16GiB', or a device name ('v5e').")
+  target: targets_lib.Target | None = _option(  # given as a topology name
+      None, "Compile for this TPU topology (e.g. v5e:2x2) with libtpu.")
+  max_class: RungClass = _option(  # given as its name
+      RungClass.EXACT, "Highest rung class allowed: exact (same math), numerics (same math, "
+      "other rounding, e.g. microbatching), behaviour (may change training, e.g. bf16).",
+      FlagKind.ENUM)
+  max_attempts: int = _option(8, "Most compiles per input signature.", FlagKind.INTEGER,
+                              lower_bound=1)
+  ladder: tuple[ladder_lib.Rung, ...] = _option(  # given as a path or rungs; None: default
+      None, "A ladder JSON file replacing configs/ladder.json.")
   state_argnums: tuple[int, ...] = ()  # given as an int or ints
-  report_dir: str | os.PathLike | None = None
-  auto_fallback: bool = True
+  report_dir: str | os.PathLike | None = _option(
+      None, "Where the post-mortem JSON report is written.")
+  auto_fallback: bool = _option(
+      True, "On a compile-time out-of-memory (E1000), recompile down the fallback ladder. "
+      "Off: the error is diagnosed and reported, then raised as the compiler raised it.",
+      FlagKind.BOOL, flag_default=False)
   offload_filter: Callable[[Any], bool] = layout_lib.default_offload_filter
-  plan_cache: str | os.PathLike | bool | None = None
+  plan_cache: str | os.PathLike | bool | None = _option(
+      None, "Directory remembering the plan that fit each program and input signature, so a "
+      "restart compiles once; 'off' disables. Default: $HBM_GUARD_PLAN_CACHE, else "
+      "~/.cache/hbm_guard/plans.")
   plan: plan_lib.Plan | None = None  # given as a Plan, its dict, a file or a report
   search: Search = Search.PROBES  # given as its name
-  headroom: float = ladder_lib.HEADROOM
-  plan_cache_retry_exhausted: bool = False
-  max_fit_seconds: float | None = None  # no compile or probe starts, or is waited for, past it
-  progress: bool = True  # a line on stderr per compile and probe once a step did not fit
-  auto_plan_aware: bool = True  # microbatch and remat an unmodified step's jax.value_and_grad
-  # Where the step runs here: plans near the search's choice timed against it on the first
-  # steps, the fastest kept (`tournament`); 0: the search's choice, priced by flops.
-  timed_rivals: int = 6
-  # For a target: plans near the search's choice compiled, the one whose program is
-  # estimated fastest kept (`estimated`); each costs a compile, so none unless asked.
-  estimated_rivals: int = 0
-  # Each compile and probe dumps its program, and the report says where its memory goes
-  # (`breakdown`): by kind, by layer, by buffer and source line, each with the rung that
-  # removes it.
-  memory_breakdown: bool = True
+  headroom: float = _option(
+      ladder_lib.HEADROOM, "Fraction of the capacity a predicted figure must stay under; the "
+      "compiler's exact figure is held against the capacity itself.", FlagKind.FLOAT,
+      lower_bound=0.5, upper_bound=1.0)
+  plan_cache_retry_exhausted: bool = _option(
+      False, "Climb again even when the plan cache remembers that nothing fit this program "
+      "(after changing something the cache cannot see).", FlagKind.BOOL)
+  max_fit_seconds: float | None = _option(
+      None, "Time budget of one fit, in seconds: no compile or probe starts, or is waited "
+      "for, that the budget cannot pay for (by what earlier ones cost); the fit then stops "
+      "and says so.", FlagKind.FLOAT, lower_bound=1.0)
+  progress: bool = _option(
+      True, "Once a step does not fit, print a line to stderr for each compile and probe.",
+      FlagKind.BOOL)
+  auto_plan_aware: bool = _option(
+      True, "Give an unmodified step the microbatch and remat rungs: its jax.value_and_grad / "
+      "jax.grad is split into microbatches where the loss is a function of batch sums "
+      "(exact), and its repeated layers checkpointed. False: only steps built with the "
+      "helpers.", FlagKind.BOOL)
+  timed_rivals: int = _option(
+      6, "Where the step runs on this host's devices: how many plans that fit near the "
+      "search's choice are timed against it on the first steps (the fastest is kept and "
+      "remembered); 0: the search's choice, priced by flops.", FlagKind.INTEGER, lower_bound=0)
+  estimated_rivals: int = _option(
+      0, "For a target (--hbm_guard_target): how many plans that may fit near the search's "
+      "choice are compiled, the one the compiled programs estimate fastest kept (each costs a "
+      "compile); 0: the search's choice, priced by flops.", FlagKind.INTEGER, lower_bound=0)
+  memory_breakdown: bool = _option(
+      True, "Each compile and probe dumps its program, and the report says where its memory "
+      "goes (by kind, by layer, by buffer and source line, each part with the rung that "
+      "removes it).", FlagKind.BOOL)
   jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
