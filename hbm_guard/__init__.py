@@ -27,7 +27,7 @@ from hbm_guard._src.plan_aware import checkpoint
 from hbm_guard._src.plan_aware import compute_dtype
 from hbm_guard._src.plan_aware import current_remat_policy
 from hbm_guard._src.plan_aware import value_and_grad
-from hbm_guard._src.ladder import Rung
+from hbm_guard._src.rungs import Rung
 from hbm_guard._src.offload import load_offloaded
 from hbm_guard._src.offload import offload_aware
 from hbm_guard._src.offload import store_offloaded

@@ -15,6 +15,7 @@ from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import fit as fit_lib
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import probing
@@ -32,7 +33,7 @@ Outcome = compile_lib.Outcome
 def _facts(**kw):
   base = dict(platform="cpu", num_devices=1, plan_reads=frozenset({"*"}), state_argnums=(0,),
               state_bytes=40 * MiB, batch_size=8)
-  return ladder_lib.StepFacts(**{**base, **kw})
+  return rungs_lib.StepFacts(**{**base, **kw})
 
 
 def _need(plan):  # a step whose need falls with donation and microbatching

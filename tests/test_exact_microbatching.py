@@ -8,7 +8,7 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src import compile as C
-from hbm_guard._src import ladder as L
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import plan as plan_lib
 from tests.helpers import side_by_side
 
@@ -173,7 +173,7 @@ def test_nnx_model_and_optimizer_climb_to_microbatching(tmp_path):
   s_guard, s_plain = side_by_side.train_side_by_side(step, guarded, state, batch, steps=10)
   assert guarded.plan.microbatches > 1 and 0 in guarded.plan.donate_argnums, guarded.attempts
   skipped = {s.rung: s.kind for a in guarded.attempts for s in a.skipped}
-  assert skipped.get("offload_optimizer") in (None, L.SkipKind.NOT_APPLICABLE)  # CPU: host
+  assert skipped.get("offload_optimizer") in (None, rungs_lib.SkipKind.NOT_APPLICABLE)  # CPU: host
   assert guarded.attempts[-1].memory["peak"] <= capacity
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                s_guard, s_plain)

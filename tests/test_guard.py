@@ -12,7 +12,7 @@ from absl.testing import flagsaver
 
 import hbm_guard
 from hbm_guard._src import diagnose as D
-from hbm_guard._src import ladder as L
+from hbm_guard._src import rung_specs
 from hbm_guard._src import record as R
 
 
@@ -172,14 +172,14 @@ def test_default_ladder_is_data_and_shares_names_with_diagnose():
 def test_microbatch_count_comes_from_the_numbers():
   rec = R.E1000Record(kind=R.COMPILE_HBM, used_bytes=1100, capacity_bytes=1000)
   # 100 fixed + 1000 temporaries at k=1: room 850 -> k >= 1000/850 -> 2 (divides 64).
-  assert L.microbatch_count(64, 1, rec, temp_bytes=1000)[0] == 2
+  assert rung_specs.microbatch_count(64, 1, rec, temp_bytes=1000)[0] == 2
   rec = R.E1000Record(kind=R.COMPILE_HBM, used_bytes=4100, capacity_bytes=1000)
   # 4000 temporaries: k >= 4000/850 = 4.7 -> 5, 6, 7 do not divide 64; 8 does.
-  assert L.microbatch_count(64, 1, rec, temp_bytes=4000)[0] == 8
+  assert rung_specs.microbatch_count(64, 1, rec, temp_bytes=4000)[0] == 8
   # The rest of the step alone is over capacity: no split helps.
   rec = R.E1000Record(kind=R.COMPILE_HBM, used_bytes=3000, capacity_bytes=1000)
-  assert L.microbatch_count(64, 1, rec, temp_bytes=100)[0] is None
-  assert L.microbatch_count(7, 7, rec, temp_bytes=2900)[0] is None  # splits no further
+  assert rung_specs.microbatch_count(64, 1, rec, temp_bytes=100)[0] is None
+  assert rung_specs.microbatch_count(7, 7, rec, temp_bytes=2900)[0] is None  # splits no further
 
 
 @flagsaver.flagsaver(hbm_guard_auto_fallback=True, hbm_guard_max_class="numerics",
@@ -254,11 +254,11 @@ def test_microbatch_count_fits_a_line_through_earlier_attempts():
   # Measured 100 MiB at k=1 and 97.7 at k=2: T = 4.6, F = 95.4 -- more than 0.95 * 96 MiB
   # on its own, so no microbatch count can fit (the guard moves on instead of trying).
   rec = R.E1000Record(kind=R.BUDGET, used_bytes=round(97.7 * M), capacity_bytes=96 * M)
-  k, why = L.microbatch_count(64, 2, rec, temp_bytes=None, measured=[(1, 100 * M)])
+  k, why = rung_specs.microbatch_count(64, 2, rec, temp_bytes=None, measured=[(1, 100 * M)])
   assert k is None and "cannot close the gap" in why
   # 100 at k=1, 60 at k=2: T = 80, F = 20; room 0.95 * 40 - 20 = 18 -> k >= 4.4 -> 8.
   rec2 = R.E1000Record(kind=R.BUDGET, used_bytes=60 * M, capacity_bytes=40 * M)
-  k, why = L.microbatch_count(64, 2, rec2, temp_bytes=None, measured=[(1, 100 * M)])
+  k, why = rung_specs.microbatch_count(64, 2, rec2, temp_bytes=None, measured=[(1, 100 * M)])
   assert k == 8 and "fitted" in why
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src import record as R
-from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from examples.recover_e1000 import train
 
 pytestmark = pytest.mark.real_compiler
@@ -106,7 +106,7 @@ def test_exhausted_on_the_real_compiler_chains_its_error(tmp_path, v5e_devices):
   # is over 1 MiB, so the flag plans were passed over without a probe, and the error says so.
   probed = [p.plan.describe() for a in attempts if a.planning for p in a.planning.probes]
   assert not any("xla_" in p for p in probed), probed
-  gap = [s for s in attempts[-1].skipped if s.kind is ladder_lib.SkipKind.CANNOT_CLOSE_GAP]
+  gap = [s for s in attempts[-1].skipped if s.kind is rungs_lib.SkipKind.CANNOT_CLOSE_GAP]
   assert {s.rung for s in gap} == {"xla_remat_peak_priority", "xla_remat_aggressive"}
   assert "Passed over, estimated" in str(info.value)
   # Newer libtpu prefixes "E1000: CompileTimeHbmOom:"; older releases omit the code.

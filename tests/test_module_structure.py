@@ -113,3 +113,16 @@ def test_no_property_assigns_state():
           and _assigns_state(node)):
         found.append(f"{f.relative_to(ROOT)}:{node.lineno}: {node.name}")
   assert not found, found
+
+
+def test_what_a_kind_of_rung_does_is_decided_by_its_spec_alone():
+  """#58 item 2: no module outside the rung specs branches on a rung's kind; each kind has
+  one spec holding its field, applicability, application, saving, search axis and trust."""
+  from hbm_guard._src import rung_specs
+  from hbm_guard._src import rungs
+  assert set(rung_specs.SPECS) == set(rungs.RungKind)
+  homes = {SRC / "rungs.py", SRC / "rung_specs.py"}
+  branching = [f"{f.relative_to(ROOT)}:{i}" for f in SRC.rglob("*.py") if f not in homes
+               for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+               if "RungKind." in line or ".kind is Kind." in line or "kind in (Kind" in line]
+  assert not branching, branching

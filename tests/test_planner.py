@@ -16,6 +16,8 @@ from hbm_guard._src.search import race
 from hbm_guard._src.search import space
 from hbm_guard._src.search import state as state_lib
 from hbm_guard._src.search import tuning
+from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 
 MiB = 2**20
 
@@ -161,15 +163,13 @@ def test_cheap_probes_stop_at_the_fewest_count_a_failure_leaves_if_it_fits():
 
 def _flags_only_facts():
   # a step nothing planned can split or remat (microbatching refused, no layers seen)
-  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
-  return ladder_lib.StepFacts(platform="tpu", num_devices=1, plan_reads=frozenset(),
+  return rungs_lib.StepFacts(platform="tpu", num_devices=1, plan_reads=frozenset(),
                               state_argnums=(0,), state_bytes=4 * 2**30, batch_size=16,
                               auto_refused="a batch statistic feeds per-example work")
 
 
 def test_where_probes_are_dear_the_xla_flags_are_judged_by_one_probe_of_all_of_them():
   from hbm_guard._src import compile as compile_lib  # pylint: disable=g-import-not-at-top
-  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
   probed = []
   def probe(plan):  # every flag cuts a little; all of them together still do not fit
     probed.append(plan.describe())
@@ -197,7 +197,6 @@ def test_flags_and_donation_that_cannot_close_the_gap_are_not_probed():
   # it, less the 4.1 GiB of state, is over the capacity: no probe, the flags passed over.
   # At batch 16 (19.52 GiB) the flags fit (15.26 GiB): there they are probed, as before.
   from hbm_guard._src import compile as compile_lib  # pylint: disable=g-import-not-at-top
-  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
   facts = dataclasses.replace(_flags_only_facts(), state_bytes=int(4.1 * 2**30))
   for failed_gib, probed_flags in ((38.61, False), (19.52, True)):
     probed = []
@@ -219,7 +218,7 @@ def test_flags_and_donation_that_cannot_close_the_gap_are_not_probed():
       assert any("xla_" in d for d in probed) and "probed" in flags[0].reason
     else:
       assert probed == [] and "estimated" in flags[0].reason and "17.25 GiB of 15.75 GiB" in flags[0].reason
-      assert all(s.kind is ladder_lib.SkipKind.CANNOT_CLOSE_GAP for s in flags)
+      assert all(s.kind is rungs_lib.SkipKind.CANNOT_CLOSE_GAP for s in flags)
 
 
 def test_a_large_programs_prior_is_closer_to_one_until_measured():
@@ -312,9 +311,8 @@ def test_probes_side_by_side_search_thirds_two_at_a_time():
 def test_what_is_made_while_the_first_compile_runs_is_what_the_planner_starts_with():
   # prepare.fallback lowers these probes and prices these families while a fit's first
   # compile runs; a planner asking for others would waste that work.
-  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
   rungs = ladder_lib.load_ladder()
-  facts = ladder_lib.StepFacts(platform="tpu", num_devices=1, plan_reads=frozenset({"*"}),
+  facts = rungs_lib.StepFacts(platform="tpu", num_devices=1, plan_reads=frozenset({"*"}),
                                state_argnums=(0,), state_bytes=40 * MiB, batch_size=16)
   for seconds, dear in ((60.0, True), (2.0, False)):
     started, priced = [], []
@@ -589,7 +587,6 @@ def test_where_the_planner_races_the_xla_flags_are_compiled_not_probed():
   # fails, 32.35 GiB), then the flags plan is the climb's next compile, not probed; once
   # that compile failed, the flags are passed over and nothing is probed.
   from hbm_guard._src import compile as compile_lib  # pylint: disable=g-import-not-at-top
-  from hbm_guard._src import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
   facts = dataclasses.replace(_flags_only_facts(), state_bytes=int(4.1 * GiB))
   raced = []
   def start_compile(plan):

@@ -18,7 +18,8 @@ from absl.testing import flagsaver
 
 import hbm_guard
 from hbm_guard._src import compile as C
-from hbm_guard._src import ladder as L
+from hbm_guard._src import rung_specs
+from hbm_guard._src import rungs as rungs_lib
 
 _REMAT_ONLY = [{"name": "layer_remat", "kind": "remat", "class": "exact", "section": "S3.E",
                 "policies": ["nothing_saveable"]}]
@@ -390,12 +391,12 @@ def test_a_method_whose_self_is_not_static_gets_jaxs_own_error():
 
 
 def test_skip_reasons_are_typed():
-  facts = L.StepFacts(platform="cpu", num_devices=1, plan_reads=frozenset(),
+  facts = rungs_lib.StepFacts(platform="cpu", num_devices=1, plan_reads=frozenset(),
                       state_argnums=(), state_bytes=0, batch_size=None)
-  kinds = {r.name: L.applies(r, hbm_guard.Plan(), facts, "exact") for r in hbm_guard.load_ladder()}
-  assert kinds["bf16"][0] is L.SkipKind.WITHHELD
-  assert kinds["layer_remat"][0] is L.SkipKind.NOT_PLAN_AWARE
-  assert kinds["donate"][0] is L.SkipKind.NOT_APPLICABLE
+  kinds = {r.name: rung_specs.applies(r, hbm_guard.Plan(), facts, "exact") for r in hbm_guard.load_ladder()}
+  assert kinds["bf16"][0] is rungs_lib.SkipKind.WITHHELD
+  assert kinds["layer_remat"][0] is rungs_lib.SkipKind.NOT_PLAN_AWARE
+  assert kinds["donate"][0] is rungs_lib.SkipKind.NOT_APPLICABLE
 
 
 def test_report_of_a_file_that_is_not_a_report_is_a_usage_error(tmp_path, capsys):

@@ -15,7 +15,7 @@ import pytest
 import hbm_guard
 from hbm_guard._src import cli
 from hbm_guard._src import compile as C
-from hbm_guard._src import ladder as L
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import plan_cache as PC
 from hbm_guard._src import record as R
 from hbm_guard._src import report as report_lib
@@ -385,7 +385,7 @@ def test_temporaries_of_killed_writes_are_swept(tmp_path):
 def test_an_exact_figure_within_the_headroom_still_fits(tmp_path):
   plain, donated = _peaks()
   capacity = donated + 1024  # donation fits, by less than the 5% headroom
-  assert donated > L.HEADROOM * capacity
+  assert donated > rungs_lib.HEADROOM * capacity
   g = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=capacity,
                             report_dir=str(tmp_path))
   g(jnp.array(W), X)

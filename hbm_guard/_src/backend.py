@@ -18,7 +18,7 @@ import jax
 from jax._src import core as jax_core
 
 from hbm_guard._src import compile as compile_lib
-from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import memory_dump
 from hbm_guard._src import options as options_lib
@@ -83,7 +83,7 @@ class Backend(Protocol):
               low_effort: bool = False, meanwhile: Meanwhile | None = None
               ) -> compile_lib.Trial: ...
 
-  def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts: ...
+  def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> rungs_lib.StepFacts: ...
 
   def program_text(self, plan: plan_lib.Plan, key, args, kwargs) -> str | None: ...
 
@@ -139,7 +139,7 @@ class _Base:
       plan = dataclasses.replace(plan, compiler_options=())
     return plan
 
-  def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> ladder_lib.StepFacts:
+  def step_facts(self, args, kwargs, trial: compile_lib.Trial) -> rungs_lib.StepFacts:
     devices = self.devices()
     tf = trial.facts or compile_lib.TraceFacts()
     given = user_shardings.per_leaf(self.options.jit_kwargs, args, self.step.static(len(args)))
@@ -150,7 +150,7 @@ class _Base:
                      for m in devices[0].addressable_memories())
     except Exception:  # pylint: disable=broad-except
       has_host = False
-    return ladder_lib.StepFacts(
+    return rungs_lib.StepFacts(
         platform=self.platform, num_devices=len(devices), plan_reads=tf.reads,
         state_argnums=replaced, state_bytes=sum(layout_lib.nbytes(args[i]) for i in replaced),
         batch_size=tf.batch_size, has_host_memory=has_host,

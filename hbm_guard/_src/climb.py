@@ -15,6 +15,7 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
 from hbm_guard._src import report as report_lib
@@ -36,7 +37,7 @@ class Attempt:
   record: record_lib.E1000Record | None = None
   diagnosis: diagnose_lib.Diagnosis | None = None
   memory: dict[str, int] | None = None  # from compiled.memory_analysis()
-  skipped: tuple[ladder_lib.Skip, ...] = ()  # rungs passed over to choose the next plan
+  skipped: tuple[rungs_lib.Skip, ...] = ()  # rungs passed over to choose the next plan
   signature: str = ""  # the input shapes this attempt was for
   loss_form: str | None = None  # how the step's value_and_grad reduced its loss
   planning: Any = None  # planner.Planning: the probes that chose the next plan, and why
@@ -81,8 +82,8 @@ def divisor_at_least(n: int, k: int) -> int:
 
 
 def climb(try_plan: Callable[[plan_lib.Plan], compile_lib.Trial], start: plan_lib.Plan, *,
-          rungs: Sequence[ladder_lib.Rung], max_class: ladder_lib.RungClass, max_attempts: int,
-          auto_fallback: bool, step_facts: Callable[[compile_lib.Trial], ladder_lib.StepFacts],
+          rungs: Sequence[rungs_lib.Rung], max_class: rungs_lib.RungClass, max_attempts: int,
+          auto_fallback: bool, step_facts: Callable[[compile_lib.Trial], rungs_lib.StepFacts],
           first_number: int = 1, signature: str = "",
           on_attempt: Callable[[Attempt], None] = lambda a: None,
           plan_next: Callable[..., tuple[plan_lib.Plan | None, list, Any]] | None = None

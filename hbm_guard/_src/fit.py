@@ -25,6 +25,7 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
 from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import ledger as ledger_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
@@ -57,7 +58,7 @@ def _probe_workers() -> int:
 
 
 def above_class(driver: planner_lib.Driver | None,
-                last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None,
+                last: tuple[plan_lib.Plan, rungs_lib.StepFacts] | None,
                 options: options_lib.GuardOptions) -> AboveClass | None:
   """When nothing allowed fits: would a plan of a higher class? Priced by the probes of
   the search that priced the climb, from its last failed plan."""
@@ -81,7 +82,7 @@ class Fit:
     self._search: planner_lib.Driver | None = None
     self._low_effort: bool | None = None  # probes at XLA's lowest effort (dear probes)
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # probes' compiles
-    self._last: tuple[plan_lib.Plan, ladder_lib.StepFacts] | None = None
+    self._last: tuple[plan_lib.Plan, rungs_lib.StepFacts] | None = None
     self.budget = budget_lib.Budget(options.max_fit_seconds)
     self.progress = budget_lib.Progress(step.name, self.budget, enabled=options.progress
                                         and jax.process_index() == 0)
@@ -358,7 +359,7 @@ class Fit:
   # -- planning ----------------------------------------------------------------------------
 
   def _plan_next(self, plan: plan_lib.Plan, trial: compile_lib.Trial,
-                 facts: ladder_lib.StepFacts):
+                 facts: rungs_lib.StepFacts):
     """The planner's choice after `plan` failed (the ladder's, with no capacity known)."""
     rec, o = trial.record, self.options
     if self._search is None:
@@ -406,7 +407,7 @@ class Fit:
       above = None  # no time left to price a higher class
     written = self.ledger.write(Status.EXHAUSTED, above=above)
     gap = {s.reason: None for s in attempts[-1].skipped
-           if s.kind is ladder_lib.SkipKind.CANNOT_CLOSE_GAP}
+           if s.kind is rungs_lib.SkipKind.CANNOT_CLOSE_GAP}
     raise errors.LadderExhaustedError.nothing_fits(
         name=name, capacity=rec.available_bytes, attempts=attempts, need=rec.required_bytes,
         scenario=diag.scenario, summary=diag.summary, above=above, passed_over=list(gap),

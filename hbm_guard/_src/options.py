@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 from hbm_guard._src import argnums as argnums_lib
 from hbm_guard._src import errors
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_trust
@@ -29,7 +30,7 @@ from hbm_guard._src import untrusted
 PLAN_FILE_MAX_BYTES = 16 << 20  # a plan file, or a whole report holding one
 
 
-RungClass = ladder_lib.RungClass
+RungClass = rungs_lib.RungClass
 
 
 class Search(enum.StrEnum):
@@ -172,7 +173,7 @@ class GuardOptions:
       FlagKind.ENUM)
   max_attempts: int = _option(8, "Most compiles per input signature.", FlagKind.INTEGER,
                               lower_bound=1)
-  ladder: tuple[ladder_lib.Rung, ...] = _option(  # given as a path or rungs; None: default
+  ladder: tuple[rungs_lib.Rung, ...] = _option(  # given as a path or rungs; None: default
       None, "A ladder JSON file replacing configs/ladder.json.")
   state_argnums: tuple[int, ...] = ()  # given as an int or ints
   report_dir: str | os.PathLike | None = _option(
@@ -189,7 +190,7 @@ class GuardOptions:
   plan: plan_lib.Plan | None = None  # given as a Plan, its dict, a file or a report
   search: Search = Search.PROBES  # given as its name
   headroom: float = _option(
-      ladder_lib.HEADROOM, "Fraction of the capacity a predicted figure must stay under; the "
+      rungs_lib.HEADROOM, "Fraction of the capacity a predicted figure must stay under; the "
       "compiler's exact figure is held against the capacity itself.", FlagKind.FLOAT,
       lower_bound=0.5, upper_bound=1.0)
   plan_cache_retry_exhausted: bool = _option(

@@ -14,18 +14,19 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from hbm_guard._src import errors
-from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import rung_specs
 
-Kind, Class = ladder_lib.RungKind, ladder_lib.RungClass
-
-
-def _allowed(rungs: Sequence[ladder_lib.Rung], max_class: Class) -> list[ladder_lib.Rung]:
-  top = ladder_lib.CLASSES.index(max_class)
-  return [r for r in rungs if ladder_lib.CLASSES.index(r.semantic_class) <= top]
+Kind, Class = rungs_lib.RungKind, rungs_lib.RungClass
 
 
-def _refuse(source: str, what: str, kind: Kind, rungs: Sequence[ladder_lib.Rung],
+def _allowed(rungs: Sequence[rungs_lib.Rung], max_class: Class) -> list[rungs_lib.Rung]:
+  top = rungs_lib.CLASSES.index(max_class)
+  return [r for r in rungs if rungs_lib.CLASSES.index(r.semantic_class) <= top]
+
+
+def _refuse(source: str, what: str, kind: Kind, rungs: Sequence[rungs_lib.Rung],
             max_class: Class) -> errors.UntrustedPlanError:
   above = [r for r in rungs if r.kind == kind and r not in _allowed(rungs, max_class)]
   if above:
@@ -36,7 +37,7 @@ def _refuse(source: str, what: str, kind: Kind, rungs: Sequence[ladder_lib.Rung]
   return errors.UntrustedPlanError(f"{source} asks for {what}: {why}.")
 
 
-def check(plan: plan_lib.Plan, *, rungs: Sequence[ladder_lib.Rung], max_class: Class,
+def check(plan: plan_lib.Plan, *, rungs: Sequence[rungs_lib.Rung], max_class: Class,
           donatable: Iterable[int] | None, source: str = "plan=") -> plan_lib.Plan:
   """`plan` if the options allow all of it (rung names it does not know dropped); else
   an UntrustedPlanError. `donatable`: argument positions that may be donated (None:
@@ -44,36 +45,16 @@ def check(plan: plan_lib.Plan, *, rungs: Sequence[ladder_lib.Rung], max_class: C
   allowed = _allowed(rungs, max_class)
   kinds = {r.kind for r in allowed}
 
-  def need(kind: Kind, what: str, ok: bool = True):
-    if kind not in kinds or not ok:
-      raise _refuse(source, what, kind, rungs, max_class)
-
-  if plan.donate_argnums:
-    need(Kind.DONATE, f"donation of arguments {list(plan.donate_argnums)}")
-    if donatable is not None:
-      extra = sorted(set(plan.donate_argnums) - set(donatable))
-      if extra:
-        raise errors.UntrustedPlanError(
-            f"{source} donates argument(s) {extra}, which are not among state_argnums or "
-            f"donate_argnums ({sorted(set(donatable))}): the caller may still hold them.")
-  if plan.shard_state:
-    need(Kind.RESHARD, "resharding the state" + (" and the batch" if plan.shard_batch else ""))
-  if plan.remat_policy is not None:
-    policies = {p for r in allowed if r.kind is Kind.REMAT
-                for p in (r.policies or ("nothing_saveable",))}
-    need(Kind.REMAT, f"remat policy {plan.remat_policy!r}", plan.remat_policy in policies)
-  if plan.microbatches > 1:
-    need(Kind.MICROBATCH, f"microbatch({plan.microbatches})")
-  if plan.offload_optimizer:
-    need(Kind.OFFLOAD, "offloading the optimizer state")
-  if plan.compute_dtype is not None:
-    dtypes = {r.dtype for r in allowed if r.kind is Kind.DTYPE}
-    need(Kind.DTYPE, f"compute dtype {plan.compute_dtype!r}", plan.compute_dtype in dtypes)
-  options = {item for r in allowed if r.kind is Kind.COMPILER_OPTIONS for item in r.options}
-  for name, value in plan.compiler_options:
-    if not any(n == name and v == value and type(v) is type(value) for n, v in options):
-      raise _refuse(source, f"compiler option {name}={value!r:.60}", Kind.COMPILER_OPTIONS,
-                    rungs, max_class)
+  for kind, spec in rung_specs.SPECS.items():
+    for what, ok in spec.asks(plan, [r for r in allowed if r.kind is kind]):
+      if kind not in kinds or not ok:
+        raise _refuse(source, what, kind, rungs, max_class)
+  if plan.donate_argnums and donatable is not None:
+    extra = sorted(set(plan.donate_argnums) - set(donatable))
+    if extra:
+      raise errors.UntrustedPlanError(
+          f"{source} donates argument(s) {extra}, which are not among state_argnums or "
+          f"donate_argnums ({sorted(set(donatable))}): the caller may still hold them.")
   names = {r.name for r in rungs}
   return dataclasses.replace(plan, rungs=tuple(r for r in plan.rungs if r in names))
 

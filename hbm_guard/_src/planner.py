@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import hint
@@ -57,9 +57,9 @@ def _optimistic(driver: Driver, fams: Sequence[Plan], counts: Sequence[int],
                              + choice.why)
 
 
-def next_plan(driver: Driver, rungs: Sequence[ladder_lib.Rung], plan: Plan,
-              facts: ladder_lib.StepFacts, rec, max_class: ladder_lib.RungClass
-              ) -> tuple[Plan | None, list[ladder_lib.Skip], Planning]:
+def next_plan(driver: Driver, rungs: Sequence[rungs_lib.Rung], plan: Plan,
+              facts: rungs_lib.StepFacts, rec, max_class: rungs_lib.RungClass
+              ) -> tuple[Plan | None, list[rungs_lib.Skip], Planning]:
   """The search's choice after `plan` failed; the ladder's remaining rungs (XLA flags,
   dtype) from the plan that came closest when no planned plan is predicted to fit."""
   n_probes = len(driver.probes)
@@ -91,13 +91,13 @@ def _closest(driver: Driver, fams: Sequence[Plan], plan: Plan) -> Plan:
   return with_rungs(closest, plan)
 
 
-def above(driver: Driver, rungs: Sequence[ladder_lib.Rung], plan: Plan,
-          facts: ladder_lib.StepFacts, max_class: ladder_lib.RungClass
+def above(driver: Driver, rungs: Sequence[rungs_lib.Rung], plan: Plan,
+          facts: rungs_lib.StepFacts, max_class: rungs_lib.RungClass
           ) -> tuple[str, cheapest.Choice] | None:
   """When nothing allowed fits: the first class above `max_class` with a plan predicted to
   fit, by the figures of the search that priced the climb and a few probes more
   (`search.hint`). A class that adds no planned rung is not searched again."""
-  classes = ladder_lib.CLASSES
+  classes = rungs_lib.CLASSES
   searched = space.families(rungs, plan, facts, max_class)[:2]
   for klass in classes[classes.index(max_class) + 1:]:
     fams, counts, _ = space.families(rungs, plan, facts, klass)

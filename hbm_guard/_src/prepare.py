@@ -24,7 +24,7 @@ import time
 from absl import logging
 
 from hbm_guard._src import compile as compile_lib
-from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import steps as steps_lib
@@ -77,7 +77,7 @@ class Preparation:
     if self._closed.is_set():
       self.backend.unstage()  # the fit ended while the last job ran: nothing will read it
 
-  def _quick_opening(self, step_facts: ladder_lib.StepFacts, started: float) -> None:
+  def _quick_opening(self, step_facts: rungs_lib.StepFacts, started: float) -> None:
     """What a quick failure reads first, each made only if it would be ready before the
     compile counts as slow (so a slow one's own opening is not delayed): the midpoint's
     probe (the likely answer where the failure rules out the counts below it); the other
@@ -115,11 +115,11 @@ class Preparation:
                   time.perf_counter() - started)
     return seconds
 
-  def _step_facts(self, facts: compile_lib.TraceFacts) -> ladder_lib.StepFacts:
+  def _step_facts(self, facts: compile_lib.TraceFacts) -> rungs_lib.StepFacts:
     trial = compile_lib.Trial(self.plan, compile_lib.Outcome.OOM, 0.0, facts)  # facts only
     return self.backend.step_facts(self.args, self.kwargs, trial)
 
-  def _jobs(self, step_facts: ladder_lib.StepFacts, started: float):
+  def _jobs(self, step_facts: rungs_lib.StepFacts, started: float):
     dear = time.perf_counter() - started >= tuning.DEAR_COMPILE_SECONDS
     o = self.options
     probes, others = space.opening(o.ladder, self.plan, step_facts, o.max_class, dear)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from hbm_guard._src import ladder as ladder_lib
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src.search import model
 from hbm_guard._src.search.driver import Driver
@@ -32,9 +33,9 @@ def _why_not(driver: Driver, plan: Plan) -> str | None:
   return why
 
 
-def _skip(plan: Plan, why: str) -> ladder_lib.Skip:
-  return ladder_lib.Skip(plan.rungs[-1] if plan.rungs else plan.describe(), why,
-                         ladder_lib.SkipKind.CANNOT_CLOSE_GAP)
+def _skip(plan: Plan, why: str) -> rungs_lib.Skip:
+  return rungs_lib.Skip(plan.rungs[-1] if plan.rungs else plan.describe(), why,
+                         rungs_lib.SkipKind.CANNOT_CLOSE_GAP)
 
 
 def _flag_chain(rest, first: Plan, facts, rec, max_class) -> list[Plan]:
@@ -47,7 +48,7 @@ def _flag_chain(rest, first: Plan, facts, rec, max_class) -> list[Plan]:
 
 
 def _strongest_flags_first(driver: Driver, rest, first: Plan, facts, rec, max_class
-                           ) -> tuple[Plan | None, list[ladder_lib.Skip]]:
+                           ) -> tuple[Plan | None, list[rungs_lib.Skip]]:
   """Where probes cost what compiles do, XLA's flags are judged by one probe: all of them
   at once. If that plan does not fit by its figure, no weaker one is probed (each flag only
   adds rematerialization); the ladder goes on past them. If it fits, it is compiled."""
@@ -66,9 +67,9 @@ def _strongest_flags_first(driver: Driver, rest, first: Plan, facts, rec, max_cl
   return nxt, [_skip(p, why) for p in chain] + more
 
 
-def walk(driver: Driver, rungs: Sequence[ladder_lib.Rung], closest: Plan, planned: Sequence[str],
-         facts: ladder_lib.StepFacts, rec, max_class: ladder_lib.RungClass
-         ) -> tuple[Plan | None, list[ladder_lib.Skip]]:
+def walk(driver: Driver, rungs: Sequence[rungs_lib.Rung], closest: Plan, planned: Sequence[str],
+         facts: rungs_lib.StepFacts, rec, max_class: rungs_lib.RungClass
+         ) -> tuple[Plan | None, list[rungs_lib.Skip]]:
   """The next plan of the ladder's remaining rungs (those not `planned`) from `closest`."""
   rest = [r for r in rungs if r.kind not in planned]
   nxt, skips = ladder_lib.next_plan(rest, closest, facts, rec, max_class)

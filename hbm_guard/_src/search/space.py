@@ -6,15 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from hbm_guard._src import ladder as ladder_lib
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import rung_specs
+from hbm_guard._src import rungs as rungs_lib
 from hbm_guard._src.search import model
 from hbm_guard._src.search import tuning
 from hbm_guard._src.search.state import program
 
 Plan = plan_lib.Plan
-Kind = ladder_lib.RungKind
-PLANNED = (Kind.DONATE, Kind.RESHARD, Kind.REMAT, Kind.MICROBATCH, Kind.OFFLOAD)  # searched
+Axis = rung_specs.Axis
+PLANNED = rung_specs.SEARCHED  # the kinds the search opens; the rest are walked after it
 
 
 def divisors(n: int | None, current: int = 1) -> list[int]:
@@ -22,9 +23,9 @@ def divisors(n: int | None, current: int = 1) -> list[int]:
   return plan_lib.microbatch_counts(n, limit=tuning.MAX_MICROBATCHES) if n else [current]
 
 
-def families(rungs: Sequence[ladder_lib.Rung], plan: Plan, facts: ladder_lib.StepFacts,
-             max_class: ladder_lib.RungClass, data_parallel_failed: bool = False
-             ) -> tuple[list[Plan], list[int], list[ladder_lib.Skip]]:
+def families(rungs: Sequence[rungs_lib.Rung], plan: Plan, facts: rungs_lib.StepFacts,
+             max_class: rungs_lib.RungClass, data_parallel_failed: bool = False
+             ) -> tuple[list[Plan], list[int], list[rungs_lib.Skip]]:
   """Candidate families and the counts to search, from the rungs this step can take. Free
   rungs are always on: they cost no compute."""
   base, skips = dataclasses.replace(plan, microbatches=1), []
@@ -33,32 +34,33 @@ def families(rungs: Sequence[ladder_lib.Rung], plan: Plan, facts: ladder_lib.Ste
   counts = [plan.microbatches]
   bare = dataclasses.replace(base, remat_policy=None, offload_optimizer=False)
   for rung in rungs:
-    if rung.kind not in PLANNED:
+    axis = rung_specs.SPECS[rung.kind].axis
+    if axis is Axis.NONE:
       continue
-    why = ladder_lib.applies(rung, base if rung.kind in (Kind.DONATE, Kind.RESHARD) else bare,
-                             facts, max_class)
+    why = rung_specs.applies(rung, base if axis is Axis.FREE else bare, facts, max_class)
     if why is not None:
-      if why[0] is not ladder_lib.SkipKind.ALREADY_APPLIED:
-        skips.append(ladder_lib.Skip(rung.name, why[1], why[0]))
+      if why[0] is not rungs_lib.SkipKind.ALREADY_APPLIED:
+        skips.append(rungs_lib.Skip(rung.name, why[1], why[0]))
       continue
-    if rung.kind in (Kind.DONATE, Kind.RESHARD):
-      base, _ = ladder_lib.apply(rung, base, facts, None, None)
-    elif rung.kind is ladder_lib.RungKind.REMAT:
-      allowed = ladder_lib.remat_policies(rung, facts)
-      policies += [p for p in allowed if p not in policies]
-    elif rung.kind is ladder_lib.RungKind.OFFLOAD:
-      offloads = [False, True]
-    elif rung.kind is ladder_lib.RungKind.MICROBATCH:
-      counts = divisors(facts.batch_size, plan.microbatches)
-      if facts.batch_size and not any(k > plan.microbatches for k in counts):
-        skips.append(ladder_lib.Skip(rung.name, (
-            f"batch {facts.batch_size} has no divisor from {plan.microbatches + 1} to "
-            f"{tuning.MAX_MICROBATCHES}: no microbatch count splits it evenly (a prime "
-            "batch)"), ladder_lib.SkipKind.NOT_APPLICABLE))
+    match axis:
+      case Axis.FREE:
+        base, _ = rung_specs.apply(rung, base, facts, None, None)
+      case Axis.POLICY:
+        allowed = rung_specs.remat_policies(rung, facts)
+        policies += [p for p in allowed if p not in policies]
+      case Axis.OFFLOAD:
+        offloads = [False, True]
+      case Axis.COUNT:
+        counts = divisors(facts.batch_size, plan.microbatches)
+        if facts.batch_size and not any(k > plan.microbatches for k in counts):
+          skips.append(rungs_lib.Skip(rung.name, (
+              f"batch {facts.batch_size} has no divisor from {plan.microbatches + 1} to "
+              f"{tuning.MAX_MICROBATCHES}: no microbatch count splits it evenly (a prime "
+              "batch)"), rungs_lib.SkipKind.NOT_APPLICABLE))
   return _with_shards(base, policies, offloads, facts, data_parallel_failed), counts, skips
 
 
-def _with_shards(base: Plan, policies, offloads, facts: ladder_lib.StepFacts,
+def _with_shards(base: Plan, policies, offloads, facts: rungs_lib.StepFacts,
                  data_parallel_failed: bool) -> list[Plan]:
   """The families: each policy x offload, and with the state sharded, the batch sharded
   too (data parallel) where it divides over the chips. A choice, not a rule: it gathers
@@ -98,8 +100,8 @@ def first_probes(family: Plan, counts: Sequence[int], dear: bool, anchored: bool
       [] if anchored else [model.at(family, anchor_count(counts))])
 
 
-def opening(rungs: Sequence[ladder_lib.Rung], plan: Plan, facts: ladder_lib.StepFacts,
-            max_class: ladder_lib.RungClass, dear: bool) -> tuple[list[Plan], list[Plan]]:
+def opening(rungs: Sequence[rungs_lib.Rung], plan: Plan, facts: rungs_lib.StepFacts,
+            max_class: rungs_lib.RungClass, dear: bool) -> tuple[list[Plan], list[Plan]]:
   """What a search does first if `plan` (a fit's first) fails: the probes it starts, of
   the likely cheapest family, and the other families it prices. Made while that compile
   runs, they are ready if it fails."""
