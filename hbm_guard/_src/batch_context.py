@@ -3,8 +3,8 @@
 A designation, not a proof: the batch's size is voted from the step's non-state
 arguments, each array holds it on an axis read from its shape, and the analysis
 (`loss_split`) then splits along it exactly or refuses. Other readings (first axes alone,
-each leaf on its own, the step's own arrays only, other sizes) are tried by `intercept`
-where the first is refused.
+each leaf on its own, the step's own arrays only, other sizes, segments, one leaf set apart
+as a table) are tried by `intercept` where the first is refused.
 """
 
 from __future__ import annotations
@@ -131,6 +131,12 @@ class Context:
   def step_inputs(self) -> "Context":
     """This context with the batch only in the step's own batch arrays."""
     return dataclasses.replace(self, inputs_only=True)
+
+  def without(self, leaf) -> "Context":
+    """This context with one batch leaf set apart: read as a table the loss uses whole (a
+    codebook, a class prior, a queue of negatives riding in the batch's dict, as long as
+    the batch by chance)."""
+    return dataclasses.replace(self, apart_ids=self.apart_ids | {id(leaf)})
 
   def is_input(self, x) -> bool:
     return any(id(x) in ids for ids, _ in self.groups)

@@ -27,6 +27,7 @@ from absl import logging
 from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
 from hbm_guard._src import batch_context
+from hbm_guard._src import cond_branches
 from hbm_guard._src import errors
 from hbm_guard._src import layers as layers_lib
 from hbm_guard._src import loss_split
@@ -231,6 +232,10 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
   if "microbatches" in helpers:
     return own(*args, **kwargs)  # the step splits its own batch
   split, refused = _analyse(t, ctx.batch_size)
+  branches = None
+  if refused is not None:  # a cond on the step's own values: split branch by branch
+    branches, why = cond_branches.split(t, ctx.batch_size, _analyse)
+    refused = None if branches else why if why and "`cond`" in refused else refused
   if refused is not None:
     ctx, t, split, refused = _other_readings(fun, argnums, args, kwargs, whole, differentiated,
                                              ctx, t, refused)
@@ -238,7 +243,7 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
     other = _other_readings(fun, argnums, args, kwargs, whole, differentiated, ctx, t,
                             f"the batch of {ctx.batch_size} does not split evenly")
     if other[2] is not None and not _uneven(other[0].batch_size):
-      ctx, t, split, refused = other
+      (ctx, t, split, refused), branches = other, None
   batch = ctx.batch_size
   described = tuple(batch_context.describe_leaf(x) + _where_batch(a)
                     for x, a in zip(t.inputs()[2], t.axes))
@@ -251,17 +256,21 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
     layers = None
   elif layers and (checkpointed := loss_split.own_checkpoints(t.prog)):
     layers = f"{layers}; {checkpointed}"
-  found = Found(_name(fun, ctx), described, split and split.description, refused, layers)
+  splits = split or branches
+  found = Found(_name(fun, ctx), described, splits and splits.description, refused, layers)
   _note(found)
-  k = plan_lib.plan_value("microbatches") if split is not None else 1
+  k = plan_lib.plan_value("microbatches") if splits is not None else 1
   if k > 1 and batch % k:  # not compiled whole under k's name: the climb picks a count
     raise errors.UnevenMicrobatchError.of(batch, k)  # that divides (a trailing batch)
   policy = plan_lib.plan_value("remat_policy") if layers else None
-  if split is not None:
+  if splits is not None:
     plan_lib.note(batch_size=batch, loss_form="auto_sums")
   constrain = ctx.constraint(split.tags) if split is not None else None
   try:
-    if k > 1:
+    if k > 1 and branches is not None:
+      outs, grads = branches.gradient(
+          lambda tb, sb: microbatch.microbatched(tb, sb, batch, k, policy, ctx))
+    elif k > 1:
       outs, grads = microbatch.microbatched(t, split, batch, k, policy, ctx)
     elif (policy is not None and segments) or constrain is not None:
       outs, grads = auto_grad.whole_batch(t, policy if segments else None,
@@ -292,7 +301,7 @@ def _uneven(batch: int | None) -> bool:
   return bool(batch) and k > 1 and batch % k != 0
 
 
-_MAX_READINGS = 8  # readings of which arguments hold the batch, tried in turn
+_MAX_READINGS = 10  # readings of which arguments hold the batch, tried in turn
 
 
 def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, differentiated,
@@ -304,7 +313,8 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   long as the batch and the loss closes over), the other sizes the arguments hold (a
   time-major step whose sequence outnumbers the batch; a gradient in the step's own loop
   over minibatches; data stored features-first), then each of those with arrays several
-  times the batch's length read as its segments (pairs stored as halves). Which reading is
+  times the batch's length read as its segments (pairs stored as halves), then each batch
+  leaf set apart in turn (a codebook as long as the batch in its dict). Which reading is
   a designation, not a proof: the analysis splits along it exactly or refuses. The first
   that splits, with a count of microbatches that divides it, is taken; else the refusal of
   the first axes' reading, as before."""
@@ -316,6 +326,9 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
                if c not in readings and (k == 1 or (c.batch_size or 1) % k == 0)]
   readings += [s for c in (ctx, *readings) if (s := c.segmented()) is not None
                and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
+  batch_leaves = t.inputs()[2]  # (those the loss closes over too)
+  if len(batch_leaves) > 1:
+    readings += [ctx.without(x) for x in batch_leaves]
   reported, uneven = (ctx, t, None, refused), None
   for other in readings[:_MAX_READINGS]:
     try:

@@ -522,3 +522,83 @@ def _():
                                 (z, 0))[0]
     return optax.softmax_cross_entropy_with_integer_labels(mlp(p, x) + smooth, y).mean()
   return sgd(loss), _xy
+
+
+# ------------------------------------------- conds on the step's own values (not the batch)
+def _mse_or_l1(p, x, y, pick):
+  d = mlp(p, x) - jax.nn.one_hot(y, C)
+  return pick(lambda: jnp.mean(jnp.abs(d)), lambda: jnp.mean(d ** 2))
+
+
+@case("cond_on_the_step_counter", expect_split=True)
+def _():
+  def loss(p, x, y, count):  # every third step an L1 loss (a warm-up trick)
+    return _mse_or_l1(p, x, y, lambda l1, mse: jax.lax.cond(count % 3 == 0, l1, mse))
+  return sgd(loss), lambda: (*_xy(), jnp.int32(3))
+
+
+@case("switch_on_a_config_flag_and_cond_on_the_step", expect_split=True)
+def _():
+  def loss(p, x, y, kind, count):
+    d = mlp(p, x) - jax.nn.one_hot(y, C)
+    main = jax.lax.switch(kind, [lambda d: jnp.mean(d ** 2),
+                                 lambda d: jnp.mean(optax.huber_loss(d, delta=0.5)),
+                                 lambda d: jnp.mean(jnp.log(jnp.cosh(d)))], d)
+    extra = jax.lax.cond(count % 2 == 0, lambda: jnp.mean(jnp.abs(d)), lambda: 0.0 * d.sum())
+    return main + 0.1 * extra
+  return sgd(loss), lambda: (*_xy(), jnp.int32(1), jnp.int32(4))
+
+
+@case("cond_whose_untaken_branch_is_nan", expect_split=True)
+def _():  # jax.jit never runs the log branch: a split that evaluated both would give NaN
+  def loss(p, x, y, flag):
+    z = mlp(p, x)
+    return jax.lax.cond(flag > 0, lambda: jnp.mean(jnp.log(z - 100.0)),
+                        lambda: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())
+  return sgd(loss), lambda: (*_xy(), jnp.int32(0))
+
+
+@case("cond_on_a_parameter", expect_split=True)
+def _():  # the parameters are the same for every microbatch: the branch too (no gradient
+  # flows through a cond's index)
+  def loss(p, x, y):
+    return _mse_or_l1(p, x, y, lambda l1, mse: jax.lax.cond(p["b1"].sum() > 0, l1, mse))
+  return sgd(loss), _xy
+
+
+@case("cond_on_the_batch_mean", expect_split=False)
+def _():  # the branch depends on the batch: a microbatch could choose the other
+  def loss(p, x, y):
+    return _mse_or_l1(p, x, y, lambda l1, mse: jax.lax.cond(jnp.mean(x) > 0, l1, mse))
+  return sgd(loss), _xy
+
+
+_jitted_pick = jax.jit(lambda count, d: jax.lax.cond(count % 2 == 0, lambda: jnp.mean(jnp.abs(d)),
+                                                      lambda: jnp.mean(d ** 2)))
+
+
+@case("cond_on_the_step_inside_a_jitted_helper", expect_split=None)
+def _():  # the helper's trace is cached by jax: split only where the guard can follow it
+  def loss(p, x, y, count):
+    return _jitted_pick(count, mlp(p, x) - jax.nn.one_hot(y, C))
+  return sgd(loss), lambda: (*_xy(), jnp.int32(2))
+
+
+# ------------------------------------- a table riding in the batch's dict, as long as it
+@case("codebook_in_the_batch_dict_as_long_as_the_batch", expect_split=True)
+def _():  # VQ: every example's nearest code, from a codebook of B entries beside the data
+  def loss(p, batch):
+    z = mlp(p, batch["x"])
+    d = jnp.sum((z[:, None, :] - batch["codebook"][None, :, :]) ** 2, axis=-1)
+    q = batch["codebook"][jnp.argmin(d, axis=1)]
+    return jnp.mean(jnp.sum((z - jax.lax.stop_gradient(q)) ** 2, axis=-1))
+  return sgd(loss), lambda: (mlp_params(), {"x": _x(), "codebook": _normal(50, (B, C), 1.0)})
+
+
+@case("class_weights_as_long_as_the_batch_indexed_by_label", expect_split=True)
+def _():  # a per-class weight table of B classes, read at each example's label
+  def loss(p, x, y, class_weight):
+    ce = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y % C)
+    return jnp.mean(class_weight[y] * ce)
+  return sgd(loss), lambda: (mlp_params(), _x(), jax.random.randint(jax.random.key(51), (B,), 0, B),
+                             _normal(52, (B,), 1.0) ** 2)
