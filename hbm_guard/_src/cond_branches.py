@@ -37,6 +37,7 @@ class Choice:
   at: int  # its equation in the program
   where: str  # the primitive and the user's line, as refusals name it
   count: int  # its branches
+  site: str  # the user's line and column jax records for it (checked when it is bound)
 
 
 def _batch_slots(t: Traced) -> set:
@@ -48,7 +49,8 @@ def find(t: Traced) -> tuple[Choice, ...]:
   loss's other arguments and constants are the same for every microbatch) and whose
   operands read the batch."""
   prog, batch = t.prog, _batch_slots(t)
-  return tuple(Choice(i, batch_tags.where(e), len(e.params["branches"]))
+  return tuple(Choice(i, batch_tags.where(e), len(e.params["branches"]),
+                      source_info_util.summarize(e.eqn.source_info))
                for i, e in enumerate(prog.eqns) if e.primitive.name == "cond"
                and not _reads(prog, e.invars[:1]) & batch and _reads(prog, e.invars[1:]) & batch)
 
@@ -98,9 +100,10 @@ def _ordinals(prog: flat.Program, at: Sequence[int]) -> tuple[tuple[int, ...], i
 
 @dataclasses.dataclass
 class _Follow:
-  branches: dict[int, int]  # the n-th cond bound -> the branch that replaces it
+  branches: dict[int, tuple[int, Choice]]  # the n-th cond bound -> its branch, and the cond
   seen: int = 0
   replaced: int = 0
+  strangers: int = 0  # binds at a chosen place that are not the chosen cond
 
 
 _FOLLOW: contextvars.ContextVar[_Follow | None] = contextvars.ContextVar(
@@ -118,10 +121,15 @@ def _bind(*args, **params):
   follow.seen += 1
   if n not in follow.branches:
     return _ORIGINAL_BIND(*args, **params)
+  branch, choice = follow.branches[n]
+  site = source_info_util.summarize(source_info_util.current())
+  if site != choice.site or len(params["branches"]) != choice.count:
+    follow.strangers += 1  # another cond in its place: the trace is refused
+    return _ORIGINAL_BIND(*args, **params)
   follow.replaced += 1
   token = _FOLLOW.set(None)  # the branch's own conds are jax's
   try:
-    return jcore.jaxpr_as_fun(params["branches"][follow.branches[n]])(*args[1:])
+    return jcore.jaxpr_as_fun(params["branches"][branch])(*args[1:])
   finally:
     _FOLLOW.reset(token)
 
@@ -131,7 +139,7 @@ source_info_util.register_exclusion(__file__)  # a cond bound through _bind is t
 
 
 @contextlib.contextmanager
-def _following(branches: dict[int, int]):
+def _following(branches: dict[int, tuple[int, Choice]]):
   with _LOCK:
     if not _USERS[0]:
       conditionals.cond_p.bind = _bind
@@ -151,21 +159,24 @@ def _following(branches: dict[int, int]):
 @dataclasses.dataclass
 class _Branch(Traced):
   """The loss traced again (at any batch size) with chosen conds replaced by one branch
-  each. A cond is known by its place among those jax binds; that the trace bound as many
-  conds as the program holds, and replaced each chosen, is checked on every trace (else:
-  refused, by name)."""
+  each. A cond is known by its place among those jax binds and by the user's line and
+  column it is bound from; that the trace bound as many conds as the program holds, and
+  replaced each chosen at its place and line, is checked on every trace (else: refused, by
+  name)."""
   source: Traced | None = None
-  branches: dict[int, int] = dataclasses.field(default_factory=dict)  # ordinal -> branch
+  branches: dict[int, tuple[int, Choice]] = dataclasses.field(default_factory=dict)
   expected: int = 0
 
   def g(self, diff, other, batch):
     with _following(self.branches) as follow:
       out = self.source.g(diff, other, batch)
-    if follow.seen != self.expected or follow.replaced != len(self.branches):
+    if (follow.seen != self.expected or follow.replaced != len(self.branches)
+        or follow.strangers):
       raise batch_tags.NotSplittable(
           f"the guard could not follow which cond is which while tracing the loss again "
-          f"({follow.seen} bound, {self.expected} in the program: a jitted function or a "
-          f"body jax cached holds one)")
+          f"({follow.seen} bound, {self.expected} in the program, {follow.strangers} other "
+          f"in a chosen one's place: a vmapped cond, or a jitted function or a body jax "
+          f"cached, holds one)")
     return out
 
 
@@ -173,7 +184,9 @@ def specialise(t: Traced, choices: Sequence[Choice], branches: Sequence[int]) ->
   """`t` with each cond of `choices` replaced by its branch in `branches`, traced again."""
   ordinals, expected = _ordinals(t.prog, [c.at for c in choices])
   fields = {f.name: getattr(t, f.name) for f in dataclasses.fields(Traced)}
-  b = _Branch(**{**fields, "closed": None, "prog": None}, source=t, branches=dict(zip(ordinals, branches)), expected=expected)
+  b = _Branch(**{**fields, "closed": None, "prog": None}, source=t,
+              branches={n: (branch, c) for n, branch, c in zip(ordinals, branches, choices)},
+              expected=expected)
   b.closed = jax.make_jaxpr(b.g)(*b.inputs())
   b.prog = flat.flatten(b.closed)
   return b

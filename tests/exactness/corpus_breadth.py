@@ -602,3 +602,18 @@ def _():  # a per-class weight table of B classes, read at each example's label
     return jnp.mean(class_weight[y] * ce)
   return sgd(loss), lambda: (mlp_params(), _x(), jax.random.randint(jax.random.key(51), (B,), 0, B),
                              _normal(52, (B,), 1.0) ** 2)
+
+
+_jitted_signed_mean = jax.jit(lambda d: jax.lax.cond(d.sum() > 0, lambda: jnp.mean(d), lambda: -jnp.mean(d)))
+
+
+@case("cond_on_the_step_beside_a_vmapped_cond_and_a_jitted_one", expect_split=None)
+def _():  # a vmapped cond binds once and leaves no cond; a cached jitted one, the reverse:
+  # the guard must not take one cond for another when it traces the loss again
+  def loss(p, x, y, count):
+    z = mlp(p, x)
+    flipped = jax.vmap(lambda zi: jax.lax.cond(zi.sum() > 0, lambda: zi, lambda: -zi))(z)
+    d = flipped - jax.nn.one_hot(y, C)
+    main = jax.lax.cond(count % 2 == 0, lambda: jnp.mean(d ** 2), lambda: jnp.mean(jnp.abs(d)))
+    return main + 0.1 * _jitted_signed_mean(jax.lax.stop_gradient(d))
+  return sgd(loss), lambda: (*_xy(), jnp.int32(2))
