@@ -23,6 +23,9 @@ _SETTINGS = dict(deadline=None, derandomize=True,
 _OPS = st.lists(st.sampled_from(sorted(programs.OPS)), max_size=4).map(tuple)
 _PROGRAMS = st.builds(programs.Program, _OPS, st.sampled_from(sorted(programs.REDUCTIONS)),
                       st.sampled_from((2, 4, 8)))
+_COND_PROGRAMS = st.builds(programs.Program, _OPS, st.sampled_from(sorted(programs.REDUCTIONS)),
+                           st.sampled_from((2, 4, 8)), _OPS,
+                           st.sampled_from(sorted(programs.CHOOSERS)))
 _TOKEN_OPS = st.lists(st.sampled_from(sorted(token_programs.OPS)), max_size=3).map(tuple)
 _TOKEN_PROGRAMS = st.builds(token_programs.TokenProgram, _TOKEN_OPS,
                             st.sampled_from(sorted(token_programs.REDUCTIONS)),
@@ -40,6 +43,25 @@ def _holds(verdict: programs.Verdict) -> None:
 @hypothesis.given(_PROGRAMS)
 def test_a_random_loss_program_is_split_exactly_or_refused(program):
   _holds(programs.judge(program))
+
+
+@hypothesis.settings(max_examples=30, **_SETTINGS)
+@hypothesis.given(_COND_PROGRAMS)
+def test_a_random_loss_program_with_a_cond_is_split_exactly_or_refused(program):
+  """Two random branches under `lax.cond`, chosen by the parameters, a constant or the
+  batch: split branch by branch only where no example chooses."""
+  verdict = programs.judge(program)
+  _holds(verdict)
+  if program.chooser == "batch_mean":
+    assert not verdict.split, program
+
+
+def test_a_cond_on_the_parameters_splits_each_branch():
+  """Not a vacuous pass: two branches that split alone split under a cond."""
+  for chooser in ("parameter", "constant"):
+    verdict = programs.judge(programs.Program(("tanh",), "mean", 4, ("square",), chooser))
+    _holds(verdict)
+    assert verdict.split, (chooser, verdict.refused)
 
 
 @hypothesis.settings(max_examples=30, **_SETTINGS)

@@ -118,17 +118,35 @@ REDUCTIONS: dict[str, Callable] = {
 }
 
 
+# What picks between a program's two branches (`lax.cond`), when it has two: the
+# parameters and a constant are the same for every microbatch; the batch is not.
+CHOOSERS: dict[str, Callable] = {
+    "parameter": lambda p, x: p["w"][0, 0] > 0,
+    "constant": lambda p, x: jnp.int32(1),
+    "batch_mean": lambda p, x: x[:, 0].mean() > 0,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
   ops: tuple[str, ...]
   reduction: str
   k: int
+  branch: tuple[str, ...] | None = None  # ops of a second branch, chosen by `chooser`
+  chooser: str = "parameter"
 
   def loss(self, p, x):
     h = jnp.tanh(x @ p["w"])
-    for name in self.ops:
-      h = OPS[name](h, x)
-    return REDUCTIONS[self.reduction](h @ p["v"], x)
+
+    def run(ops):
+      out = h
+      for name in ops:
+        out = OPS[name](out, x)
+      return REDUCTIONS[self.reduction](out @ p["v"], x)
+    if self.branch is None:
+      return run(self.ops)
+    return jax.lax.cond(CHOOSERS[self.chooser](p, x), lambda: run(self.branch),
+                        lambda: run(self.ops))
 
   def case(self) -> harness.Case:
     def step(params, x):
@@ -140,13 +158,19 @@ class Program:
       k1, k2, k3 = jax.random.split(key, 3)
       return ({"w": jax.random.normal(k1, (D, F)) * 0.5, "v": jax.random.normal(k2, (F, F)) * 0.5},
               jax.random.normal(k3, (B, D)))
-    return harness.Case(" ".join(self.ops) + f" | {self.reduction} | k={self.k}", step, make)
+    cond = "" if self.branch is None else f" | cond({self.chooser}): {' '.join(self.branch)}"
+    return harness.Case(" ".join(self.ops) + f" | {self.reduction} | k={self.k}{cond}",
+                        step, make)
 
 
 def random_program(rng: random.Random, max_ops: int = 4) -> Program:
   names = sorted(OPS)
   ops = tuple(rng.choice(names) for _ in range(rng.randint(0, max_ops)))
-  return Program(ops, rng.choice(sorted(REDUCTIONS)), rng.choice((2, 4, B)))
+  program = Program(ops, rng.choice(sorted(REDUCTIONS)), rng.choice((2, 4, B)))
+  if rng.random() < 0.25:  # a second branch, chosen by a cond
+    branch = tuple(rng.choice(names) for _ in range(rng.randint(0, max_ops)))
+    program = dataclasses.replace(program, branch=branch, chooser=rng.choice(sorted(CHOOSERS)))
+  return program
 
 
 @dataclasses.dataclass(frozen=True)
