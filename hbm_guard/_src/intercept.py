@@ -327,15 +327,17 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   readings += [s for c in (ctx, *readings) if (s := c.segmented()) is not None
                and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
   batch_leaves = t.inputs()[2]  # (those the loss closes over too)
-  if len(batch_leaves) > 1:
-    readings += [ctx.without(x) for x in batch_leaves]
+  apart = [ctx.without(x) for x in batch_leaves] if len(batch_leaves) > 1 else []
+  readings += apart
   reported, uneven = (ctx, t, None, refused), None
   for other in readings[:_MAX_READINGS]:
     try:
       t1 = auto_grad.trace(fun, argnums, args, kwargs, other)
     except Exception:  # pylint: disable=broad-except  (the refusal above stands)
       continue
-    split1, refused1 = _analyse(t1, other.batch_size)
+    # (a leaf set apart is as long as the batch: its reading is held on a microbatch now,
+    # not first when the climb traces one)
+    split1, refused1 = _analyse(t1, other.batch_size, checked=other in apart)
     if split1 is not None and not _uneven(other.batch_size):
       return other, t1, split1, None
     if split1 is not None:  # (kept, should no reading divide: the climb picks a count)
@@ -345,14 +347,18 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   return uneven or reported
 
 
-def _analyse(t: auto_grad.Traced, batch: int | None):
-  """(split, None) where the traced loss splits over the batch, else (None, why not)."""
+def _analyse(t: auto_grad.Traced, batch: int | None, checked: bool = False):
+  """(split, None) where the traced loss splits over the batch, else (None, why not).
+  `checked`: held on a microbatch even under the plain plan (at the fewest that divide)."""
   try:
     if not batch:
       raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
                                      "arguments have no leading axis)")
     k = plan_lib.peek("microbatches")
-    return loss_split.analyse(t, batch, k if k > 1 and batch % k == 0 else 1), None
+    k = k if k > 1 and batch % k == 0 else 1
+    if checked and k == 1 and (counts := plan_lib.microbatch_counts(batch, above=1)):
+      loss_split.analyse(t, batch, counts[0])
+    return loss_split.analyse(t, batch, k), None
   except batch_axis.NotSplittable as e:
     return None, str(e)
   except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)
