@@ -51,7 +51,7 @@ CASES = {
 
 def measure(step, state, x, plan):
   g = hbm_guard.guarded_jit(step, state_argnums=0, target="v5e:1x1", capacity="1GiB",
-                            plan=plan, auto_fallback=False)
+                            plan=plan, auto_fallback=False, max_class="numerics")
   t0 = time.perf_counter()
   g.fit(state, x)
   last = g.attempts[-1]
