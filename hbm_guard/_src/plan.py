@@ -52,6 +52,13 @@ class Plan:
   def __post_init__(self):
     _check_fields(self)
 
+  @property
+  def program(self) -> "Plan":
+    """The plan without its rung names: what it lowers to. Plans that do the same compare
+    equal by it, whatever the order their rungs were named in (the search's figures and a
+    backend's lowerings are keyed by it)."""
+    return dataclasses.replace(self, rungs=())
+
   def with_options(self, options: Mapping[str, Any]) -> "Plan":
     merged = dict(self.compiler_options)
     merged.update(options)
