@@ -223,3 +223,24 @@ def _carried(e, out, before, from_zero: bool):
   return out if out is not None else before
 
 
+
+
+def reworked_whole(prog: flat.Program, params: Sequence, batch: Sequence,
+                   table: Sequence) -> bool:
+  """Whether the program computes, from `table` and the parameters but not from the
+  batch, a value: work a microbatch would repeat whole (an array set apart from the batch
+  that the network transforms, as in-batch keys or embeddings of all examples are).
+  Bodies of units count as reading all their operands."""
+  table_, params_, other_ = 1, 2, 4
+  mask = {v: params_ for v in params}
+  mask.update({v: other_ for v in batch})
+  mask.update({v: table_ for v in table})
+  for e in prog.eqns:
+    got = 0
+    for v in e.invars:
+      got |= mask.get(v, 0) if flat.is_var(v) else 0
+    for v in e.outvars:
+      mask[v] = got
+    if got & (table_ | params_) == table_ | params_ and not got & other_:
+      return True
+  return False

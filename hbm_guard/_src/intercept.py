@@ -27,6 +27,7 @@ from absl import logging
 from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
 from hbm_guard._src import batch_context
+from hbm_guard._src import batch_units
 from hbm_guard._src import cond_branches
 from hbm_guard._src import errors
 from hbm_guard._src import layers as layers_lib
@@ -327,14 +328,16 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   readings += [s for c in (ctx, *readings) if (s := c.segmented()) is not None
                and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
   batch_leaves = t.inputs()[2]  # (those the loss closes over too)
-  apart = [ctx.without(x) for x in batch_leaves] if len(batch_leaves) > 1 else []
-  readings += apart
+  apart = {ctx.without(x): x for x in batch_leaves} if len(batch_leaves) > 1 else {}
+  readings += list(apart)
   reported, uneven = (ctx, t, None, refused), None
   for other in readings[:_MAX_READINGS]:
     try:
       t1 = auto_grad.trace(fun, argnums, args, kwargs, other)
     except Exception:  # pylint: disable=broad-except  (the refusal above stands)
       continue
+    if other in apart and _reworked(t1, apart[other]):
+      continue  # (a table the parameters transform would be transformed in every microbatch)
     # (a leaf set apart is as long as the batch: its reading is held on a microbatch now,
     # not first when the climb traces one)
     split1, refused1 = _analyse(t1, other.batch_size, checked=other in apart)
@@ -345,6 +348,26 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
     elif (other is lead and lead.batch_size) or not reported[1].inputs()[2]:
       reported = (other, t1, None, refused1)  # (a reading that found the batch says more)
   return uneven or reported
+
+
+def _reworked(t: auto_grad.Traced, table) -> bool:
+  """Whether the loss transforms `table` (set apart) by the parameters apart from the
+  batch: each microbatch would repeat that work whole (in-batch keys, all embeddings)."""
+  n_own = t.n_diff + t.kinds.count("other")
+  return batch_units.reworked_whole(t.prog, t.prog.invars[:t.n_diff], t.prog.invars[n_own:],
+                                    _slots_of(t, table))
+
+
+def _slots_of(t: auto_grad.Traced, leaf) -> list:
+  """The loss program's inputs (or constants) that hold `leaf`."""
+  prog, slots = t.prog, []
+  for v, x in zip(prog.invars, [*t.inputs()[0], *t.inputs()[1], *t.inputs()[2]]):
+    if x is leaf:
+      slots.append(v)
+  for v, c in zip(prog.constvars, t.closed.consts):
+    if c is leaf:
+      slots.append(v)
+  return slots
 
 
 def _analyse(t: auto_grad.Traced, batch: int | None, checked: bool = False):
