@@ -21,7 +21,10 @@ from typing import Callable, Sequence
 
 import jax
 from jax._src import source_info_util
-from jax._src.lax.control_flow import conditionals  # its cond_p.bind, followed (see _bind)
+try:  # its cond_p.bind, followed (see _bind); without it, conds are refused, by name
+  from jax._src.lax.control_flow import conditionals
+except ImportError:  # pragma: no cover  (a jax that moved it)
+  conditionals = None
 from jax.extend import core as jcore
 
 from hbm_guard._src import auto_grad
@@ -134,7 +137,7 @@ def _bind(*args, **params):
     _FOLLOW.reset(token)
 
 
-_ORIGINAL_BIND = conditionals.cond_p.bind
+_ORIGINAL_BIND = conditionals.cond_p.bind if conditionals is not None else None
 source_info_util.register_exclusion(__file__)  # a cond bound through _bind is the user's
 
 
@@ -239,6 +242,10 @@ def split(t: Traced, batch: int, analyse: Callable) -> tuple[Branches | None, st
   """(branches, None) where every combination of branches of the batch-free conds splits;
   (None, why) where one does not, or a cond chooses by the batch; else (None, None)."""
   choices = find(t)
+  if choices and _ORIGINAL_BIND is None:
+    return None, (f"{choices[0].where}: the drop-in could not follow lax.cond in jax "
+                  f"{jax.__version__} (its cond_p moved): pin jax, or split the loss "
+                  f"yourself with hbm_guard.value_and_grad")
   if not choices:
     where = _chosen_by_the_batch(t)
     return None, where and (f"{where} chooses its branch from the examples' values (a "
