@@ -63,6 +63,12 @@ BENCHMARKS = (
               "the 368M LM unmodified for v5e:1x1 fitted with the memory breakdown on and "
               "off: what it adds to the fit, the kept plan's breakdown, and the first "
               "program's parts predicted under the plan kept against the compiled ones"),
+    Benchmark("breakdown_vit", "Where the memory goes, on a kind the tests do not use",
+              ("-m", "benchmarks.bench_breakdown", "--model", "vit"),
+              "bench_models' ViT (8 blocks, bf16 attention and MLP) for v5e:1x1 at 1 GiB, "
+              "fitted with the memory breakdown on and off: the kept plan's breakdown, and "
+              "the first program's parts predicted under the plan kept against the compiled "
+              "ones"),
     Benchmark("call_overhead", "What the guard adds to a call",
               ("-m", "benchmarks.bench_call_overhead"),
               "per-call time against jax.jit, interleaved"),
