@@ -145,3 +145,14 @@ class _records:
 
   def __exit__(self, *exc):
     self.logger.removeHandler(self.handler)
+
+
+def test_no_plan_fits_says_the_closest_plan_the_search_measured(tmp_path):
+  """An exhaustion after one compile says why no other plan was compiled: the closest
+  figure the search read (the report has every probe)."""
+  g = hbm_guard.guarded_jit(sgd_step, state_argnums=0, capacity=_donated_peak() // 3,
+                            max_class="numerics", plan_cache=False, report_dir=str(tmp_path))
+  with pytest.raises(hbm_guard.LadderExhaustedError) as e:
+    g(jnp.array(W), X)
+  assert "the closest plan the search measured, " in str(e.value), str(e.value)
+  assert "microbatch(" in str(e.value).split("the closest plan the search measured, ")[1]

@@ -22,6 +22,7 @@ from hbm_guard._src import budget as budget_lib
 from hbm_guard._src import cache_key as cache_key_lib
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
+from hbm_guard._src import diagnose as diagnose_lib
 from hbm_guard._src import errors
 from hbm_guard._src import hosts as hosts_lib
 from hbm_guard._src import ladder as ladder_lib
@@ -406,8 +407,16 @@ class Fit:
     except budget_lib.OutOfTime:
       above = None  # no time left to price a higher class
     written = self.ledger.write(Status.EXHAUSTED, above=above)
-    gap = {s.reason: None for s in attempts[-1].skipped
-           if s.kind is rungs_lib.SkipKind.CANNOT_CLOSE_GAP}
+    planning = attempts[-1].planning
+    measured = [p for p in (planning.probes if planning is not None else ())
+                if p.need_bytes is not None]
+    gap = {}
+    if measured:  # why no other plan was compiled: the closest the search measured
+      best = min(measured, key=lambda p: p.need_bytes)
+      gap[f"the closest plan the search measured, {best.plan.describe()}, needs "
+          f"{diagnose_lib.format_bytes(best.need_bytes)}"] = None
+    gap.update({s.reason: None for s in attempts[-1].skipped
+                if s.kind is rungs_lib.SkipKind.CANNOT_CLOSE_GAP})
     raise errors.LadderExhaustedError.nothing_fits(
         name=name, capacity=rec.available_bytes, attempts=attempts, need=rec.required_bytes,
         scenario=diag.scenario, summary=diag.summary, above=above, passed_over=list(gap),
