@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+from hbm_guard._src import diagnose
 from hbm_guard._src import errors
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
@@ -87,14 +88,17 @@ def next_plan(rungs: Sequence[Rung], plan: plan_lib.Plan, facts: StepFacts,
       if spec.axis is Axis.FREE:  # costs no compute: worth carrying along
         folded += bound
         candidate = new
-        skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed: "
-                                     "carried into the next compile, not compiled alone",
-                          SkipKind.FOLDED))
+        skips.append(Skip(rung.name, f"saves at most {_fmt(bound)} of the {_fmt(gap)} "
+                                     "needed: carried into the next compile, not compiled "
+                                     "alone", SkipKind.FOLDED))
         continue
-      skips.append(Skip(rung.name, f"saves at most {bound} bytes of the {gap} needed",
+      skips.append(Skip(rung.name, f"saves at most {_fmt(bound)} of the {_fmt(gap)} needed",
                         SkipKind.CANNOT_CLOSE_GAP))
       continue
     return new, skips
   if candidate != plan:  # only free rungs were left: still worth one compile
     return candidate, skips
   return None, skips
+
+
+_fmt = diagnose.format_bytes

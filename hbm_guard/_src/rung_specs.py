@@ -15,6 +15,7 @@ import enum
 import math
 from typing import Callable, Sequence
 
+from hbm_guard._src import diagnose
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import record as record_lib
 from hbm_guard._src.rungs import (CLASSES, HEADROOM, Rung, RungClass, RungKind, SkipKind,
@@ -162,21 +163,21 @@ def microbatch_count(batch_size: int | None, current: int, rec: record_lib.E1000
     (k0, n0), (k1, n1) = points[0], points[-1]
     scaling = (n0 - n1) / (1 / k0 - 1 / k1)  # T
     fixed = n0 - scaling / k0  # F
-    how = f"fitted to attempts at k={k0} ({n0} bytes) and k={k1} ({n1} bytes)"
+    how = f"fitted to attempts at k={k0} ({_fmt(n0)}) and k={k1} ({_fmt(n1)})"
   else:
     temps = temp_bytes if temp_bytes else (need if rec.kind == "compile_hbm_early" else None)
     if not temps:
       return divisors[0], "no numbers to size the split: the next divisor"
     scaling, fixed = temps * current, max(0, need - temps)
-    how = f"temporaries {temps} bytes at k={current}"
+    how = f"temporaries {_fmt(temps)} at k={current}"
   room = HEADROOM * have - fixed
   if room <= 0 or scaling <= 0:
-    return None, (f"the part that does not scale with the batch ({int(fixed)} bytes) alone "
+    return None, (f"the part that does not scale with the batch ({_fmt(int(fixed))}) alone "
                   "exceeds the capacity: microbatching cannot close the gap")
   want = math.ceil(scaling / room)
   for k in divisors:
     if k >= want:
-      return k, f"{how}: predicted {int(fixed + scaling / k)} bytes at k={k}"
+      return k, f"{how}: predicted {_fmt(int(fixed + scaling / k))} at k={k}"
   return divisors[-1], f"{how}: even the most microbatches may not fit; trying them"
 
 
@@ -295,3 +296,6 @@ def apply(rung: Rung, plan: Plan, facts: StepFacts, rec: record_lib.E1000Record 
 def saving_bound(rung: Rung, facts: StepFacts) -> int | None:
   """Most bytes a rung can save, when that is known before compiling."""
   return SPECS[rung.kind].saving(facts)
+
+
+_fmt = diagnose.format_bytes

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 from typing import Sequence
 
+from hbm_guard._src import diagnose
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src.search import bisection
 from hbm_guard._src.search import model
@@ -38,7 +39,7 @@ def choose(driver: Driver, families: Sequence[Plan], counts: Sequence[int],
       return None
     plan, need, cost = won
     return Choice(plan, need, cost,
-                  f"cheapest that fits: compiled at the capacity, {need} bytes, the cheapest "
+                  f"cheapest that fits: compiled at the capacity, {_fmt(need)}, the cheapest "
                   f"candidates compiled first, two at a time; cost {cost:.3g} flops")
   if families:
     bisection.prefetch_family(driver, min(families, key=space.likely_cost), counts)
@@ -71,10 +72,10 @@ def _choice(driver: Driver, plan: Plan, cost: float) -> Choice:
   need, s = driver.figure(plan), driver.state
   if program(plan) in s.fit_by_compile:
     return Choice(plan, need, cost, f"cheapest that fits: compiled beside the probes of "
-                  f"fewer microbatches, {need} bytes; cost {cost:.3g} flops")
-  why = (f"cheapest that fits: compiled at {need} bytes <= {s.capacity}; " if s.exact else
-         f"cheapest predicted to fit: probe {need} bytes x {s.scale:.2f} <= "
-         f"{s.headroom} x {s.capacity}; ")
+                  f"fewer microbatches, {_fmt(need)}; cost {cost:.3g} flops")
+  why = (f"cheapest that fits: compiled at {_fmt(need)} <= {_fmt(s.capacity)}; " if s.exact else
+         f"cheapest predicted to fit: probe {_fmt(need)} x {s.scale:.2f} <= "
+         f"{s.headroom} x {_fmt(s.capacity)}; ")
   return Choice(plan, int(need * s.scale), cost, why + f"cost {cost:.3g} flops")
 
 
@@ -130,3 +131,5 @@ def _compile_ahead(driver: Driver, later: Sequence[Plan], counts: Sequence[int],
     return False  # this family's own: its bisection decides it
   return driver.compile_beside(dearest)
 
+
+_fmt = diagnose.format_bytes

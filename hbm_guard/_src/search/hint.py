@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hbm_guard._src import diagnose
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import model
@@ -84,5 +85,5 @@ def wider(driver: Driver, families: Sequence[Plan], counts: Sequence[int],
       need = driver.state.figure(plan)
       best = cheapest.Choice(plan, int(need * driver.state.scale), cost,
                              f"predicted by F + P / k from the unsplit plan's figure, then "
-                             f"probed: {need} bytes")
+                             f"probed: {diagnose.format_bytes(need)}")
   return best
