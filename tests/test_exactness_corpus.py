@@ -90,7 +90,10 @@ def test_under_a_capacity_the_fitted_step_trains_like_jax_jit(name, fraction, tm
     assert fitted.plan is not None and fitted.plan.microbatches > 1  # not a vacuous pass
   if fitted.plan is None or case.stochastic and fitted.plan.microbatches > 1:
     return  # no plan fits (said so), or a split that draws its own random numbers
-  assert fitted.distance <= harness.RTOL, (fitted.plan, fitted.distance, fitted.auto)
+  if fitted.distance > harness.RTOL:  # rounding or a difference: told apart in float64
+    pinned = harness.under_plan(case, fitted.plan)
+    assert pinned.split and not pinned.different, (fitted.plan, fitted.distance,
+                                                   pinned.distance64, fitted.auto)
 
 
 @pytest.mark.parametrize("name", _IDS)

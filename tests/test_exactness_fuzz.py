@@ -10,6 +10,7 @@ positions over them, segments, labels, checkpoints, scans, many sums, a tuple ba
 import dataclasses
 
 import hypothesis
+import pytest
 from hypothesis import strategies as st
 
 from hbm_guard._src import intercept
@@ -54,6 +55,16 @@ def test_a_random_loss_program_with_a_cond_is_split_exactly_or_refused(program):
   _holds(verdict)
   if program.chooser == "batch_mean":
     assert not verdict.split, program
+
+
+@pytest.mark.parametrize("reduction", ["centred_variance", "correlation_with_input",
+                                       "covariance_off_diagonal"])
+def test_a_batch_statistic_of_the_parameters_values_splits_exactly(reduction):
+  """Not a vacuous pass: a centred moment (a statistic the parameters reach, read per
+  example) is split, in passes, and trains as jax.jit does."""
+  verdict = programs.judge(programs.Program(("tanh",), reduction, 4))
+  _holds(verdict)
+  assert verdict.split, verdict.refused
 
 
 def test_a_cond_on_the_parameters_splits_each_branch():

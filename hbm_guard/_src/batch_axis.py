@@ -40,6 +40,7 @@ batch_long = tags.batch_long
 NotSplittable, Batched, Position, Reduced = (tags.NotSplittable, tags.Batched, tags.Position,
                                             tags.Reduced)
 SUM, COMBINED = tags.SUM, tags.COMBINED
+EXTREMA = tags.EXTREMA
 constant_tag, where = tags.constant_tag, tags.where
 _where, _shape = tags.where, tags.shape_of
 # Ops under which a sum stays additive: they only move or retype the summed values.
@@ -91,7 +92,8 @@ class _Designate(Exception):
 def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
             consts: Sequence[Any] = (), hoisted: set | None = None,
             param_free: Callable[[Any], bool] | None = None,
-            split: dict | None = None, own_index: set | None = None) -> dict[Any, Any]:
+            split: dict | None = None, own_index: set | None = None,
+            staged: set | None = None) -> dict[Any, Any]:
   """Tags of every value of `prog`, given the batch inputs' axes (or tags) and the values
   of its constvars (`consts`, where known); raises NotSplittable.
 
@@ -104,14 +106,20 @@ def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
   taken as per-example data: `split[value]` is its layout, and it is computed once over the
   whole batch and split like the batch, so each microbatch reads its own examples' entries.
   Of those, an `iota` over the batch that only indexes the batch's own rows (`x[jnp.arange(n),
-  y]`) is in `own_index`: each microbatch counts its own rows, as it must."""
+  y]`) is in `own_index`: each microbatch counts its own rows, as it must. With `staged` (a
+  set, which this fills), a batch statistic the parameters reach that meets per-example
+  values (Pearson's `x - x.mean()`, VICReg's covariance of centred embeddings) is added to
+  it instead of refused: totalled over the microbatches in a pass of its own, it is a
+  constant to each microbatch in the next (`loss_split` decides whether that is allowed)."""
   if split is None or param_free is None:
     return _analyse(prog, batched, batch, consts, hoisted, param_free, None, None)
   while True:
-    if hoisted is not None:
-      hoisted.clear()
+    for found in (hoisted, staged):
+      if found is not None:
+        found.clear()
     try:
-      return _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index)
+      return _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index,
+                      staged)
     except _Designate as d:
       if (d.var in split and not d.own_index) or len(split) >= MAX_DESIGNATIONS or (
           d.own_index and own_index is None) or (own_index is not None and d.var in own_index):
@@ -121,8 +129,8 @@ def analyse(prog: flat.Program, batched: dict[Any, Any], batch: int,
         own_index.add(d.var)
 
 
-def _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index
-             ) -> dict[Any, Any]:
+def _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index,
+             staged=None) -> dict[Any, Any]:
   tags: dict[Any, Any] = {v: a if isinstance(a, (Batched, Position, Reduced)) else Batched(a)
                           for v, a in batched.items()}
   for v, c in zip(prog.constvars, consts):
@@ -153,8 +161,16 @@ def _analyse(prog, batched, batch, consts, hoisted, param_free, split, own_index
           if isinstance(t, Reduced) and flat.is_var(v) and param_free(v):
             hoisted.add(_before_broadcasts(v, producers, tags, param_free))
             ins[i] = None
+          elif (staged is not None and t in (SUM, COMBINED) and flat.is_var(v)
+                and not param_free(v)):
+            staged.add(_before_broadcasts(v, producers, tags, lambda u: True))
+            ins[i] = None
       try:
-        outs = _tag(e, ins, batch)
+        if staged is not None and any(t in EXTREMA for t in ins) and not any(
+            isinstance(t, (Batched, Position)) for t in ins):
+          outs = [COMBINED] * len(e.outvars)  # (logsumexp's maximum, made safe: see loss_split)
+        else:
+          outs = _tag(e, ins, batch)
       except NotSplittable as refusal:
         chain = None if split is None else own_rows.chain(e, ins, producers)
         own = chain[-1] if chain else None
@@ -212,8 +228,9 @@ def _untagged(e: flat.Eqn, tags: dict, batch: int) -> None:
 
 
 def _before_broadcasts(v, producers: dict, tags: dict, param_free) -> Any:
-  """The statistic `v` as it was before ops that only broadcast or retype it: hoisted
-  there, so each microbatch broadcasts it to its own shape (`jnp.where(m, x.mean(), 0)`)."""
+  """The statistic `v` as it was before ops that only broadcast or retype it (of those
+  `param_free` allows): given there, so each microbatch broadcasts it to its own shape
+  (`jnp.where(m, x.mean(), 0)`)."""
   for _ in range(len(producers)):
     e = producers.get(v)
     if e is None or e.primitive.name not in _SHAPE_ONLY:

@@ -94,7 +94,8 @@ def _broadcast_in_dim(e, ins, batch):
 def _reshape(e, ins, batch):
   """The batch stays the major factor of an axis (merged with a sequence, `[B, L] ->
   [B * L]`, or split from one). Segments stay whole, or become an axis of their own
-  (`[2B, D] -> [2, B, D]`: the batch on the second axis)."""
+  (`[2B, D] -> [2, B, D]`: the batch on the second axis), or an axis before the batch's
+  merges into it as segments (`[2, B, D] -> [2B, D]`: jnp.tile's copies, older jax)."""
   if e.params.get("dimensions") is not None or not isinstance(ins[0], Batched):
     raise NotSplittable(f"{_where(e)} reorders the batch axis")
   t = ins[0]
@@ -108,6 +109,10 @@ def _reshape(e, ins, batch):
       return [t.at(b)]
     if s > 1 and before == prefix * s and shape_out[b] >= batch and shape_out[b] % batch == 0:
       return [Batched(b)]
+    for j in range(a):  # the axes j..a merged into b, the batch's axis last of them
+      if before == math.prod(shape_in[:j]) and (
+          before * shape_out[b]) % (prefix * shape_in[a]) == 0:
+        return [Batched(b, s * math.prod(shape_in[j:a]))]
     if before > prefix * s:
       break
   raise NotSplittable(f"{_where(e)} splits the batch axis {shape_in} -> {shape_out}")
@@ -193,6 +198,17 @@ def _concatenate(e, ins, batch):
     if len(per) == 1:
       return [Batched(dim, sum(t.segments for t in ins))]
   raise NotSplittable(f"{_where(e)} concatenates along or beside the batch axis")
+
+
+def _tile(e, ins, batch):
+  """jnp.tile (a primitive in newer jax): along the batch axis, r copies of the batch one
+  after another (`jnp.tile(x, (2, 1))`: two views), each copy a segment split alike;
+  along any other axis, each example's own values repeated."""
+  (t,) = ins
+  reps = tuple(e.params.get("reps", ()))
+  if len(reps) != len(_shape(e.invars[0])):
+    raise NotSplittable(f"{_where(e)} tiles the batch into more axes than it has")
+  return [Batched(t.axis, t.segments * reps[t.axis])]
 
 
 def _stack(e, ins, batch):
@@ -345,6 +361,7 @@ RULES = {
     "concatenate": _concatenate,
     "split": _split,
     "stack": _stack,
+    "tile": _tile,
     "unstack": _unstack,
     "slice": _full_on_batch_axis,
     "pad": _full_on_batch_axis,

@@ -80,11 +80,22 @@ def where(e) -> str:
 
 
 def _source_line(e: flat.Eqn) -> str:
+  """The user's line of `e`, else of the call it was inlined from (`jax.nn.log_softmax`'s
+  own equations carry jax's lines only)."""
   try:
     from jax._src import source_info_util  # pylint: disable=g-import-not-at-top
-    return source_info_util.summarize(e.eqn.source_info)
+    line = source_info_util.summarize(e.eqn.source_info)
+    site = getattr(e, "site", None)
+    if (not line or _in_jax(line)) and site is not None:
+      line = source_info_util.summarize(site) or line
+    return line
   except Exception:  # pylint: disable=broad-except  (jax moved it: the name stack alone)
     return ""
+
+
+def _in_jax(line: str) -> bool:
+  return any(part in line for part in ("/jax/_src/", "/jax/nn/", "/jax/numpy/", "/flax/",
+                                        "/optax/"))
 
 
 def shape_of(atom) -> tuple[int, ...]:

@@ -47,6 +47,10 @@ class Eqn:
   # jax's own name stack of the equation, the calls it was inlined from included: the
   # program the guard evaluates keeps the user's module names (in XProf and the breakdown)
   stack: Any = None
+  # the source info of the outermost call it was inlined from (the user's call of a
+  # function jax caches, as `jax.nn.log_softmax`): where a refusal points when the
+  # equation's own lines are jax's
+  site: Any = None
 
   @property
   def primitive(self):
@@ -95,7 +99,7 @@ def _sub_closed(eqn):
   return None
 
 
-def _inline(jaxpr, alias, eqns: list, stack: str, names) -> None:
+def _inline(jaxpr, alias, eqns: list, stack: str, names, site=None) -> None:
   for eqn in jaxpr.eqns:
     invars = tuple(_resolve(v, alias) for v in eqn.invars)
     here = _join(stack, str(eqn.source_info.name_stack))
@@ -104,7 +108,7 @@ def _inline(jaxpr, alias, eqns: list, stack: str, names) -> None:
     if sub is None:
       outs = tuple(Slot(v.aval) for v in eqn.outvars)
       alias.update(zip(eqn.outvars, outs))
-      eqns.append(Eqn(eqn, invars, outs, here, names_here))
+      eqns.append(Eqn(eqn, invars, outs, here, names_here, site))
       continue
     inner = getattr(sub, "jaxpr", sub)
     consts = getattr(sub, "consts", ())
@@ -112,7 +116,7 @@ def _inline(jaxpr, alias, eqns: list, stack: str, names) -> None:
       alias[v] = Const(c)
     for v, a in zip(inner.invars, invars):
       alias[v] = a
-    _inline(inner, alias, eqns, here, names_here)
+    _inline(inner, alias, eqns, here, names_here, site or eqn.source_info)
     for out, inner_out in zip(eqn.outvars, inner.outvars):
       alias[out] = _resolve(inner_out, alias)
     for v in (*inner.constvars, *inner.invars):

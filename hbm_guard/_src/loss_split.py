@@ -42,6 +42,11 @@ class Scheme(enum.StrEnum):
   TOTALS_FIRST = "totals first"
   # one sum of one element (`log(mean(l))`): its gradient accumulated, scaled once
   PER_ELEMENT = "per element"
+  # batch statistics the parameters reach, read per example by the loss (Pearson's centred
+  # moments, VICReg's covariance): their sums totalled in a pass of their own, then the
+  # loss's sums with the statistics given, then each microbatch pulled back through the
+  # loss's sums and, with the cotangent that gives the statistics, through theirs
+  STAGED = "staged"
 
 
 _HOW = {
@@ -52,6 +57,9 @@ _HOW = {
                          "the totals give (one more forward pass per microbatch)",
     Scheme.PER_ELEMENT: "; the sum's gradient accumulated and scaled once by the cotangent "
                         "of the total",
+    Scheme.STAGED: "; the statistics' sums totalled first, then the sums that read them, "
+                   "then each microbatch pulled back through both (three more forward passes "
+                   "per microbatch)",
 }
 _MAX_HOISTS = 32  # parameter-free equations moved to the whole batch, at most
 
@@ -73,6 +81,10 @@ class Split:
   # batch and split like it; slot -> its layout (batch_axis.Batched).
   split: tuple = ()
   micro: micro_program.MicroProgram | None = None  # the loss on one microbatch, checked
+  # Batch statistics the parameters reach that per-example work reads (`Scheme.STAGED`):
+  # each microbatch is given their totals; `stage_sums` are the sums they are computed from.
+  staged: tuple = ()
+  stage_sums: tuple = ()
 
 
 def analyse(t: Traced, batch: int, k: int = 1) -> Split:
@@ -106,10 +118,11 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
   for _ in range(_MAX_HOISTS):
     seen: list = []
     hoisted: set = set()
+    staged: set = set()
     token = custom_rules.SEEN.set(seen)
     try:
       tags = batch_axis.analyse(prog, dict(zip(batch_slots, t.axes)), batch, t.closed.consts,
-                                hoisted, param_free, split, own_index)
+                                hoisted, param_free, split, own_index, staged)
     finally:
       custom_rules.SEEN.reset(token)
     hoisted = (hoisted | extra) - split.keys()
@@ -117,20 +130,17 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
     # itself; any other (a position) is computed once over the whole batch and split.
     shared = {v: tag for v, tag in split.items() if v not in own_index and (
         v in forced or not micro_program.same_along(v, {tag.axis}, producers))}
-    given = hoisted | shared.keys()
+    given = hoisted | shared.keys() | staged
     outs = [tags.get(v) if flat.is_var(v) else None for v in prog.outvars]
     if outs[0] in batch_axis.tags.EXTREMA:
       raise batch_axis.NotSplittable("the loss is a maximum or minimum over the batch "
                                      "(examples interact)")
     if not isinstance(outs[0], batch_axis.Reduced):
       raise batch_axis.NotSplittable("the loss does not depend on the batch")
-    frontier = []
-    for i in flat.needed(prog, prog.outvars, given=given):
-      e = prog.eqns[i]
-      if tags.get(e.outvars[0]) is batch_axis.COMBINED:
-        frontier += [v for v in e.invars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
-    frontier += [v for v in prog.outvars if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
-    frontier = tuple(dict.fromkeys(frontier))
+    frontier = tuple(v for v in _frontier(prog, tags, prog.outvars, given) if v not in staged)
+    _refuse_extrema(prog, tags, frontier, False, staged)
+    stage_sums = _stage_sums(prog, tags, staged, given - staged, value_dep, frontier)
+    _refuse_extrema(prog, tags, stage_sums, True, staged)
     if not frontier and outs[0] is batch_axis.COMBINED:  # (split, it would save nothing)
       raise batch_axis.NotSplittable(
           "no part of the loss is computed per example: it reads the whole batch at once "
@@ -147,8 +157,10 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
       break
     try:
       micro = micro_program.trace(
-          t.g, t.inputs(), prog, t.closed.consts, tags, t.axes, frontier, batched_outs,
-          {**{v: None for v in hoisted}, **shared}, batch, k, param_free, frozenset(own_index))
+          t.g, t.inputs(), prog, t.closed.consts, tags, t.axes,
+          list(dict.fromkeys([*frontier, *stage_sums])), batched_outs,
+          {**{v: None for v in hoisted | staged}, **shared}, batch, k, param_free,
+          frozenset(own_index))
       break
     except micro_program.Hoist as h:
       if all(v in given for v in h.eqn.outvars):
@@ -163,7 +175,15 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
     raise batch_axis.NotSplittable(f"more than {_MAX_HOISTS} parameter-free values differ "
                                    f"on a microbatch")
   dep = tuple(v in grad_dep for v in frontier)
-  rules = _custom_vjp_rules(prog, flat.needed(prog, list(frontier), given=given), grad_dep)
+  before_stats = _custom_vjp_rules(prog, flat.needed(prog, list(stage_sums), given=given),
+                                   grad_dep)
+  if before_stats:  # its backward would run twice, on the two parts of jax.jit's cotangent
+    raise batch_axis.NotSplittable(
+        f"a custom derivative rule ({batch_axis.where(before_stats[0])}) acts on values a "
+        f"batch statistic of the parameters' values is computed from: split, it would see "
+        f"the statistic's part of the cotangent apart from the rest")
+  rules = _custom_vjp_rules(prog, flat.needed(prog, [*frontier, *stage_sums], given=given),
+                            grad_dep)
   unseen = [e for e in rules if not any(e.eqn is s for s in seen)]
   if unseen:
     raise batch_axis.NotSplittable(
@@ -171,7 +191,9 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
         f"before the batch: split, it would see each microbatch's part of the gradient")
   n_grads = sum(int(np.prod(v.aval.shape)) for v, d in zip(frontier, dep) if d)
   scheme = None
-  if k > 1 or seen:
+  if staged and (k > 1 or seen):
+    scheme = Scheme.STAGED
+  elif k > 1 or seen:
     scheme = Scheme.KNOWN if known_cotangent(t, frontier, dep) else (
         Scheme.PER_ELEMENT if n_grads <= 1 and not seen else Scheme.TOTALS_FIRST)
   n_sums = len(frontier)
@@ -181,20 +203,94 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
   if free and n_sums > 1:
     kind += f" ({free} of them carry no gradient)"
   rule_note = f"; {len(seen)} custom derivative rule(s) read per example" if seen else ""
-  hoisted_t = tuple(v for v in [*prog.constvars, *prog.eqns_outvars()] if v in hoisted)
+  hoisted_t = _in_order(prog, hoisted)
   split_t = tuple((v, shared[v]) for v in [*prog.constvars, *prog.eqns_outvars()] if v in shared)
   stats = (f"; {len(hoisted_t)} parameter-free batch statistic(s) computed once over the "
            f"whole batch" if hoisted_t else "")
   if split_t:
     stats += (f"; {len(split_t)} parameter-free value(s) as long as the batch (positions, "
               f"constants) computed once over the whole batch and split with it")
+  if staged:
+    n_ext = sum(tags.get(v) in batch_axis.tags.EXTREMA for v in stage_sums)
+    stats += (f"; {len(staged)} batch statistic(s) of the parameters' values (from "
+              f"{len(stage_sums) - n_ext} sum(s)"
+              f"{f' and {n_ext} maxima or minima' if n_ext else ''} over the batch) "
+              f"totalled first and given to each microbatch")
   checkpoints = _checkpoints(prog, flat.needed(prog, list(frontier), given=given))
   if checkpoints:
     stats += f"; the step's own {checkpoints} checkpoint(s) kept in each microbatch"
   return Split(tags, frontier, dep, batched_outs,
                f"loss: {kind}, accumulated over microbatches and combined once"
                f"{_HOW.get(scheme, '')}{rule_note}{stats} (exact)", scheme, hoisted_t,
-               split_t, micro)
+               split_t, micro, _in_order(prog, staged), stage_sums)
+
+
+def _in_order(prog: flat.Program, values: set) -> tuple:
+  return tuple(v for v in [*prog.constvars, *prog.eqns_outvars()] if v in values)
+
+
+def _frontier(prog: flat.Program, tags: dict, targets, given) -> tuple:
+  """The batch sums (and extrema) the combining part of `targets` reads (stopping at
+  `given`)."""
+  kept = (batch_axis.SUM, *batch_axis.tags.EXTREMA)
+  found = []
+  for i in flat.needed(prog, targets, given=given):
+    e = prog.eqns[i]
+    if tags.get(e.outvars[0]) is batch_axis.COMBINED:
+      found += [v for v in e.invars if flat.is_var(v) and tags.get(v) in kept]
+  found += [v for v in targets if flat.is_var(v) and tags.get(v) in kept]
+  return tuple(dict.fromkeys(found))
+
+
+def _refuse_extrema(prog: flat.Program, tags: dict, sums, allowed: bool, staged) -> None:
+  """A maximum over the batch is combined from the microbatches' maxima only as a statistic
+  no gradient flows through (logsumexp's, under its stop_gradient): refused elsewhere."""
+  producers = {v: e for e in prog.eqns for v in e.outvars}
+  for v in sums:
+    if tags.get(v) not in batch_axis.tags.EXTREMA:
+      continue
+    if allowed and not _grad_depends(prog, {v}) & set(staged):
+      continue
+    e = producers.get(v)
+    raise batch_axis.NotSplittable(
+        f"{batch_axis.where(e) if e is not None else 'the loss'} reads a maximum or minimum "
+        f"over the batch of values of the parameters that a gradient flows through "
+        f"(examples interact; returned as it is, in has_aux, or under stop_gradient, it "
+        f"splits)")
+
+
+def _stage_sums(prog: flat.Program, tags: dict, staged: set, given: set, value_dep: set,
+                frontier: tuple) -> tuple:
+  """The sums the batch statistics in `staged` are computed from; refuses, by name, a
+  statistic computed from per-example values another one centred (BatchNorm's variance)
+  and per-example values a statistic reached that meet the parameters again (the layers
+  after a BatchNorm): each would need a pass of its own over the microbatches."""
+  if not staged:
+    return ()
+  for v in staged:
+    readers = [prog.eqns[i] for i in flat.needed(prog, [v], given=given)
+               if any(u in staged for u in prog.eqns[i].invars if flat.is_var(u))]
+    if readers:  # (named where the user's line is known: jnp.std's own lines are not)
+      e = next((r for r in readers if " at " in batch_axis.where(r)), readers[0])
+      raise batch_axis.NotSplittable(
+          f"{batch_axis.where(e)} reads a batch statistic to compute another one "
+          f"(BatchNorm's variance, a softmax over the batch): each would need a pass of its "
+          f"own over the microbatches")
+  reached = _depends(prog, staged)
+  for i in flat.needed(prog, list(frontier), given=given | staged):
+    e = prog.eqns[i]
+    if not any(isinstance(tags.get(u), batch_axis.Batched) for u in e.outvars):
+      continue
+    if not any(flat.is_var(u) and u in reached for u in e.invars):
+      continue
+    weights = [u for u in e.invars if flat.is_var(u) and u in value_dep and u not in reached
+               and tags.get(u) is None]
+    if weights:
+      raise batch_axis.NotSplittable(
+          f"{batch_axis.where(e)} applies the parameters to values a batch statistic "
+          f"normalised (the layers after a BatchNorm): the statistic would need a pass of "
+          f"its own over the microbatches before them")
+  return _frontier(prog, tags, _in_order(prog, staged), given)
 
 
 def _to_the_whole_batch(prog: flat.Program, tags: dict, v, batch: int, param_free,

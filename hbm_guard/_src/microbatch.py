@@ -71,9 +71,10 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
   stats, shares = _whole_batch_values(t, split, k, batch)
   hoisted = [slot[v] for v in split.hoisted]
   shared = [slot[v] for v, _ in split.split]
-  given = hoisted + shared
+  staged = [slot[v] for v in split.staged]
+  given = hoisted + shared + staged
 
-  def per_micro(d, micro_vals, i, wanted=None):
+  def per_micro(d, micro_vals, i, wanted=None, statistics=()):
     micro_in, micro_shares = micro_vals
     consts, own = list(closed.consts), list(other)
     for p in keys:  # each microbatch draws its own random numbers
@@ -84,6 +85,7 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
     env.update(zip(prog.invars, [*d, *own, *micro_in]))
     env.update(zip(hoisted, stats))
     env.update(zip(shared, micro_shares))
+    env.update(zip(staged, statistics))
     if wanted is not None:
       return flat.evaluate(prog, env, flat.needed(prog, wanted, given=given), wanted)
     vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap, constrain)
@@ -91,6 +93,8 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
     return [sums[j] for j in dep], (sums, bouts)
 
   xs = ((parts, shares), jnp.arange(k))
+  if split.scheme is loss_split.Scheme.STAGED:
+    return _staged(t, split, per_micro, xs, stats, dep, batch // k)
   if split.scheme is loss_split.Scheme.PER_ELEMENT:
     cotangents = [_unit_cotangent(frontier, dep, j, e) for j in dep
                   for e in range(int(np.prod(frontier[j].aval.shape)))]
@@ -113,6 +117,133 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
   basis = None if split.scheme is not loss_split.Scheme.PER_ELEMENT else [
       (j, e) for j in dep for e in range(int(np.prod(frontier[j].aval.shape)))]
   return _combine(t, split, totals, grads, basis, stacked, batch // k)
+
+
+def _total(per_micro, xs, d, wanted, statistics=(), extrema=()) -> list:
+  """The sums `wanted` (microbatch slots) totalled over the microbatches, forward only;
+  `extrema` (tags by position) for a maximum or minimum: the microbatches' combined so."""
+  kinds = list(extrema) or [None] * len(wanted)
+
+  def add(acc, x):
+    micro_vals, i = x
+    vals = per_micro(d, micro_vals, i, wanted, statistics)
+    return [_COMBINE.get(kind, jnp.add)(a, v.astype(a.dtype))
+            for a, v, kind in zip(acc, vals, kinds)], None
+  init = [_identity(v.aval, kind) for v, kind in zip(wanted, kinds)]
+  summed, _ = jax.lax.scan(add, init, xs)
+  return [s.astype(v.aval.dtype) for s, v in zip(summed, wanted)]
+
+
+_COMBINE = {batch_axis.tags.MAX: jnp.maximum, batch_axis.tags.MIN: jnp.minimum}
+
+
+def _identity(aval, kind):
+  """Where a total starts: 0 for a sum, the dtype's lowest (highest) for a max (min)."""
+  dtype = _acc_dtype(aval.dtype)
+  if kind is None:
+    return jnp.zeros(aval.shape, dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    low, high = -jnp.inf, jnp.inf
+  else:
+    low, high = jnp.iinfo(dtype).min, jnp.iinfo(dtype).max
+  return jnp.full(aval.shape, low if kind is batch_axis.tags.MAX else high, dtype)
+
+
+def _staged(t: auto_grad.Traced, split: loss_split.Split, per_micro, xs, hoisted_vals,
+            dep: list[int], m: int):
+  """`Scheme.STAGED`: L = H(S2, V, d), V = G(S1, d), S1 and S2 sums over the batch, S2's
+  terms reading V. Totals S1 (one pass), V, totals S2 (one pass); then each microbatch
+  pulled back through its S2 terms with jax.jit's cotangent of S2 (giving V's cotangent
+  too), and through its S1 terms with the cotangent that gives S1 (one pass each)."""
+  prog, micro = t.prog, split.micro
+  diff, other, batch_vals = t.inputs()
+  slot = micro.slot
+  s1_slots = [slot[v] for v in split.stage_sums]
+  s2_slots = micro.frontier[:len(split.frontier)]
+
+  def whole_env(d):
+    env = dict(zip(prog.constvars, t.closed.consts))
+    env.update(zip(prog.invars, [*d, *other, *batch_vals]))
+    env.update(zip(split.hoisted, hoisted_vals))
+    return env
+
+  def statistics(s1, d):  # V = G(S1, d), at the whole batch's sums
+    env = whole_env(d)
+    env.update(zip(split.stage_sums, s1))
+    given = [*split.stage_sums, *split.hoisted]
+    return flat.evaluate(prog, env, flat.needed(prog, split.staged, given=given),
+                         list(split.staged))
+
+  extrema = [split.tags.get(v) if split.tags.get(v) in _COMBINE else None
+             for v in split.stage_sums]
+  s1 = _total(per_micro, xs, diff, s1_slots, (), extrema)
+  # (no gradient flows through an extremum: loss_split refuses it otherwise)
+  inexact = [j for j, v in enumerate(s1) if _inexact(v) and extrema[j] is None]
+  v_stat, pull_g = jax.vjp(
+      lambda s, d: statistics(_put(s1, inexact, s), d), [s1[j] for j in inexact], diff)
+  s2 = _total(per_micro, xs, diff, s2_slots, v_stat)
+  vdep = [j for j, v in enumerate(v_stat) if _inexact(v)]
+  targets = [prog.outvars[0]]
+  indices = flat.needed(prog, targets, given=[*split.frontier, *split.staged])
+
+  def head(s, v, d):  # H(S2, V, d)
+    env = whole_env(d)
+    env.update(zip(split.frontier, _put(s2, dep, s)))
+    env.update(zip(split.staged, _put(v_stat, vdep, v)))
+    return flat.evaluate(prog, env, indices, targets)[0]
+
+  c_s2, c_v = jax.grad(head, argnums=(0, 1))([s2[j] for j in dep], [v_stat[j] for j in vdep],
+                                            diff)
+
+  def back2(carry, x):
+    grads, cv = carry
+    micro_vals, i = x
+    _, vjp, (_, bouts) = jax.vjp(
+        lambda d, v: per_micro(d, micro_vals, i, statistics=_put(v_stat, vdep, v)),
+        diff, [v_stat[j] for j in vdep], has_aux=True)
+    gd, gv = vjp([c.astype(s2[j].dtype) for c, j in zip(c_s2, dep)])
+    return (_add(grads, gd), _add(cv, gv)), bouts
+
+  zeros_d = [jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff]
+  zeros_v = [jnp.zeros(v_stat[j].shape, _acc_dtype(v_stat[j].dtype)) for j in vdep]
+  (g2, cv2), stacked = jax.lax.scan(back2, (zeros_d, zeros_v), xs)
+  cv = [(a + b.astype(a.dtype)).astype(v_stat[j].dtype) for a, b, j in zip(c_v, cv2, vdep)]
+  c_s1, g_stat = pull_g(_put([_no_cotangent(v) for v in v_stat], vdep, cv))
+
+  def back1(grads, x):
+    micro_vals, i = x
+    _, vjp = jax.vjp(lambda d: [per_micro(d, micro_vals, i, s1_slots)[j] for j in inexact],
+                     diff)
+    (gd,) = vjp([c.astype(s1[j].dtype) for c, j in zip(c_s1, inexact)])
+    return _add(grads, gd), None
+
+  g1, _ = jax.lax.scan(back1, zeros_d, xs)
+  grads = [a + b.astype(a.dtype) + c.astype(a.dtype) for a, b, c in zip(g2, g1, g_stat)]
+  return _combine(t, split, s2, [grads], None, stacked, m,
+                  dict(zip(split.staged, v_stat)))
+
+
+def _no_cotangent(x):
+  """A zero cotangent for `x` (float0 for an integer, as jax.vjp asks)."""
+  if _inexact(x):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _inexact(x) -> bool:
+  return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def _put(values: list, at: list[int], new) -> list:
+  """`values` with positions `at` replaced by `new` (in order)."""
+  out = list(values)
+  for j, x in zip(at, new):
+    out[j] = x
+  return out
+
+
+def _add(acc: list, new) -> list:
+  return [a + g.astype(a.dtype) for a, g in zip(acc, new)]
 
 
 def _whole_batch_values(t: auto_grad.Traced, split: loss_split.Split, k: int, batch: int):
@@ -168,7 +299,7 @@ def _cotangent(t: auto_grad.Traced, split: loss_split.Split, frontier, dep, xs, 
 
 
 def _combine(t: auto_grad.Traced, split: loss_split.Split, totals, grads, basis, stacked,
-             m: int):
+             m: int, statistics: dict | None = None):
   """The loss's outputs and gradients from the totals: with a known cotangent the
   microbatches' pullbacks are the sums' whole gradient; otherwise each sum's gradient
   (`basis`, one per element) is scaled by the totals' cotangent."""
@@ -176,11 +307,13 @@ def _combine(t: auto_grad.Traced, split: loss_split.Split, totals, grads, basis,
   diff, other, batch_vals = t.inputs()
   rest = [i for i in range(len(prog.outvars)) if i not in split.batched_outs]
   targets = [prog.outvars[i] for i in rest]
-  indices = flat.needed(prog, targets, given=split.frontier)
+  statistics = statistics or {}
+  indices = flat.needed(prog, targets, given=[*split.frontier, *statistics])
 
   def combined(sums, d):
     env = dict(zip(prog.constvars, t.closed.consts))
     env.update(zip(prog.invars, [*d, *other, *batch_vals]))
+    env.update(statistics)
     env.update(zip(split.frontier, sums))
     vals = flat.evaluate(prog, env, indices, targets)
     return vals[0], vals

@@ -571,9 +571,11 @@ def _():
 
 # Where another layout of the same shapes would be read as examples major or the batch's
 # axis is ambiguous: refused (or, where the analysis can prove it, exact), never different.
-@case("captions_caption_major_tiled", expect_split=False)
+@case("captions_caption_major_tiled", expect_split=True)
 def _():
-  def loss(p, img, cap):  # caption j of image i at row j * B + i: examples minor
+  # caption j of image i at row j * B + i, beside the images tiled 5 times the same way:
+  # five segments of the batch, split alike (before jnp.tile had a rule: refused)
+  def loss(p, img, cap):
     zi = jnp.tile(img @ p["wi"], (5, 1))
     return jnp.mean((zi - cap @ p["wt"]) ** 2)
   return sgd(loss), lambda: ({"wi": _normal(0, (D, H)), "wt": _normal(1, (D, H))}, _x(),
@@ -913,11 +915,24 @@ def _():
                         jax.random.key(2))
 
 
-@case("stop_gradient_of_a_batch_statistic", expect_split=False)
+@case("stop_gradient_of_a_batch_statistic", expect_split=True)
 def _():
-  # stop_gradient does not make a statistic of the parameters' outputs parameter-free
+  # stop_gradient does not make a statistic of the parameters' outputs parameter-free: it
+  # is totalled in a pass of its own and given to each microbatch (no gradient through it)
   return sgd(lambda p, x, y: jnp.mean(_per(p, x) / jax.lax.stop_gradient(
       jnp.mean(_per(p, x))))), _xy
+
+
+@case("two_views_by_jnp_tile", expect_split=True)
+def _():
+  # jnp.tile(x, (2, 1)): the batch twice, one copy after the other (a primitive in newer
+  # jax, broadcast and reshape in older): two segments, sliced back at B
+  def loss(p, x, y):
+    n = x.shape[0]
+    z = mlp(p, jnp.tile(x, (2, 1)) * jnp.concatenate([jnp.ones((n, 1)), 0.9 * jnp.ones((n, 1))]))
+    return optax.softmax_cross_entropy_with_integer_labels(z[:n], y).mean() + jnp.mean(
+        (jax.nn.softmax(z[:n]) - jax.nn.softmax(z[n:])) ** 2)
+  return sgd(loss), _xy
 
 
 @case("simclr_views_concatenated", expect_split=True)
@@ -989,13 +1004,91 @@ def _():
   return sgd(loss), lambda: (mlp_params(), _x(), _normal(5, (B,), 1.0))
 
 
-@case("vicreg_covariance", expect_split=False)
+@case("vicreg_covariance", expect_split=True)
 def _():
+  # the mean the embeddings are centred by is totalled first; the covariance's sums then
   def loss(p, x, y):
     z = mlp(p, x)
     zc = z - z.mean(0)
     cov = zc.T @ zc / (x.shape[0] - 1)
     return jnp.mean(jax.nn.relu(1 - jnp.sqrt(jnp.diag(cov) + 1e-4))) + jnp.sum(cov ** 2) / C
+  return sgd(loss), _xy
+
+
+@case("pearson_correlation_over_the_batch", expect_split=True)
+def _():
+  # 1 - Pearson's r of predictions and targets over the batch: both centred by their batch
+  # means (the targets' computed once, the predictions' totalled in a pass of its own)
+  def loss(p, x, y):
+    pred = mlp(p, x)[:, 0]
+    t = y.astype(jnp.float32)
+    pc, tc = pred - pred.mean(), t - t.mean()
+    return 1 - jnp.sum(pc * tc) / jnp.sqrt(jnp.sum(pc ** 2) * jnp.sum(tc ** 2) + 1e-8)
+  return sgd(loss), _xy
+
+
+@case("centred_embeddings_with_aux_and_a_mean_read_again", expect_split=True)
+def _():
+  # the statistic read per example and by the combining part, with per-example aux
+  def loss(p, x, y):
+    z = mlp(p, x)
+    m = z.mean(0)
+    per = jnp.sum((z - m) ** 2, -1)
+    return jnp.mean(per) + jnp.sum(m ** 2), per
+  return sgd(loss, has_aux=True), _xy
+
+
+@case("tilted_erm_logsumexp_over_the_batch", expect_split=True)
+def _():
+  # (1/t) log mean exp(t l_i): logsumexp's maximum (under its stop_gradient) taken from the
+  # microbatches' maxima in a pass of its own, then the sum of exp(t l_i - max)
+  def loss(p, x, y):
+    per = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y)
+    return (jax.nn.logsumexp(2.0 * per) - jnp.log(per.shape[0])) / 2.0
+  return sgd(loss), _xy
+
+
+@case("softmax_weights_over_the_batch", expect_split=False)
+def _():
+  # each example weighted by a softmax over the batch: a sum that reads the maximum, read
+  # per example again (two statistics deep): refused by name
+  def loss(p, x, y):
+    per = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y)
+    return jnp.sum(jax.nn.softmax(per) * per)
+  return sgd(loss), _xy
+
+
+@case("a_maximum_over_the_batch_with_its_gradient", expect_split=False)
+def _():
+  def loss(p, x, y):
+    per = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y)
+    return jnp.mean(jnp.exp(per - jnp.max(per)))
+  return sgd(loss), _xy
+
+
+@case("clipped_gradient_rule_before_a_batch_statistic", expect_split=False)
+def _():
+  # a custom_vjp that clips each example's cotangent, on values both the batch mean and the
+  # centred term read: jax.jit clips the sum of both parts once; refused by name
+  @jax.custom_vjp
+  def clip_rows(h):
+    return h
+  clip_rows.defvjp(lambda h: (h, None), lambda _, g: (
+      g / jnp.maximum(1.0, 50.0 * jnp.linalg.norm(g, axis=-1, keepdims=True)),))
+
+  def loss(p, x, y):
+    z = clip_rows(mlp(p, x))
+    return jnp.mean(jnp.sum((z - z.mean(0)) ** 2, -1))
+  return sgd(loss), _xy
+
+
+@case("batch_centred_features_then_a_learned_scale", expect_split=False)
+def _():
+  # the centred values meet a parameter again (as the layers after a BatchNorm do): the
+  # statistic would need a pass of its own before them; refused by name
+  def loss(p, x, y):
+    h = jnp.tanh(x @ p["w1"])
+    return jnp.mean(((h - h.mean(0)) @ p["w2"]) ** 2)
   return sgd(loss), _xy
 
 

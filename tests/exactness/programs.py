@@ -115,6 +115,14 @@ REDUCTIONS: dict[str, Callable] = {
     "weighted_mean": lambda h, x: jnp.sum(jnp.sum(h ** 2, -1) * (x[:, 1] > 0)) / jnp.maximum(
         jnp.sum(x[:, 1] > 0), 1),
     "mean_plus_decay": lambda h, x: jnp.mean(h ** 2) + 0.01 * jnp.sum(h.mean(0) ** 2),
+    # batch statistics of the parameters' values read per example (centred moments)
+    "centred_variance": lambda h, x: jnp.mean((h - h.mean(0)) ** 2),
+    "correlation_with_input": lambda h, x: -jnp.sum(
+        (h[:, 0] - h[:, 0].mean()) * (x[:, 0] - x[:, 0].mean())) / jnp.sqrt(
+            jnp.sum((h[:, 0] - h[:, 0].mean()) ** 2) * jnp.sum((x[:, 0] - x[:, 0].mean()) ** 2)
+            + 1e-6),
+    "covariance_off_diagonal": lambda h, x: jnp.sum(
+        ((h - h.mean(0)).T @ (h - h.mean(0)) / B * (1 - jnp.eye(h.shape[1]))) ** 2),
 }
 
 
