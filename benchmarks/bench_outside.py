@@ -19,7 +19,7 @@ import time
 from hbm_guard._src import plan as plan_lib
 from tests.exactness import harness
 
-READINGS = ("reading1", "reading2", "reading3")
+READINGS = ("reading1", "reading2", "reading3", "reading4")
 
 
 def judge(case) -> tuple[str, str]:

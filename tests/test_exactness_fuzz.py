@@ -58,10 +58,12 @@ def test_a_random_loss_program_with_a_cond_is_split_exactly_or_refused(program):
 
 
 @pytest.mark.parametrize("reduction", ["centred_variance", "correlation_with_input",
-                                       "covariance_off_diagonal"])
+                                       "covariance_off_diagonal", "standardised_by_batch",
+                                       "softmax_over_batch"])
 def test_a_batch_statistic_of_the_parameters_values_splits_exactly(reduction):
-  """Not a vacuous pass: a centred moment (a statistic the parameters reach, read per
-  example) is split, in passes, and trains as jax.jit does."""
+  """Not a vacuous pass: a centred moment, a standardisation, a softmax over the batch
+  (statistics the parameters reach, read per example, one or two stages deep) are split,
+  in passes, and train as jax.jit does."""
   verdict = programs.judge(programs.Program(("tanh",), reduction, 4))
   _holds(verdict)
   assert verdict.split, verdict.refused

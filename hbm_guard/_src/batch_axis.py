@@ -267,17 +267,44 @@ def _designation(e: flat.Eqn, ins: list, batch: int, param_free, split: dict, pr
 
 def designate(prog: flat.Program, tags: dict, v, batch: int) -> Batched | None:
   """A layout for the parameter-free value `v` as per-example data, from the first op that
-  reads it and can take it so (None where none can)."""
+  reads it and can take it so (None where none can). Ops that only reshape or broadcast it
+  are followed to the op that meets it with per-example values: the layout that op takes
+  (`jnp.repeat(w, n)` beside `jnp.tile(x, (2, 1))`: segments, not rows)."""
   layouts = sorted({1} | {t.segments for t in tags.values() if isinstance(t, Batched)})
   for e in prog.eqns:
     if not any(u is v for u in e.invars):
       continue
-    ins = [tags.get(u) if flat.is_var(u) else None for u in e.invars]
+    fallback = None
     for tag in _layouts(v, batch, layouts):
-      trial = [tag if u is v else t for u, t in zip(e.invars, ins)]
-      if _tag_or_none(e, trial, batch) is not None:
+      met = _meets(prog, tags, e, v, tag, batch)
+      if met is True:
         return tag
+      if met is None and fallback is None:
+        fallback = tag
+    if fallback is not None:
+      return fallback
   return None
+
+
+def _meets(prog: flat.Program, tags: dict, e: flat.Eqn, v, tag: Batched, batch: int,
+           depth: int = 8) -> bool | None:
+  """Whether `e`, reading `v` laid out as `tag`, takes it (True), refuses it (False), or
+  takes it without meeting per-example values within `depth` shape-only ops (None)."""
+  ins = [tags.get(u) if flat.is_var(u) else None for u in e.invars]
+  trial = [tag if u is v else t for u, t in zip(e.invars, ins)]
+  out = _tag_or_none(e, trial, batch)
+  if out is None:
+    return False
+  if any(isinstance(t, Batched) for u, t in zip(e.invars, ins) if u is not v):
+    return True
+  if e.primitive.name not in _SHAPE_ONLY or depth <= 0 or not isinstance(out[0], Batched):
+    return None
+  w = e.outvars[0]
+  readers = [r for r in prog.eqns if any(u is w for u in r.invars)]
+  found = [_meets(prog, tags, r, w, out[0], batch, depth - 1) for r in readers]
+  if any(f is False for f in found):
+    return False
+  return True if any(f is True for f in found) else None
 
 
 def _layouts(v, batch: int, segments: list[int]):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -120,11 +120,13 @@ class Context:
     return [self.sized(n) for n in dict.fromkeys(sizes)
             if n != self.batch_size and n > 1][:limit]
 
-  def segmented(self) -> "Context | None":
+  def segmented(self, lengths: Sequence[int] = ()) -> "Context | None":
     """This context with arrays several times as long as the batch read as segments of it,
-    one after another; None where no array is."""
+    one after another; None where no array is (of the step's, or of `lengths`: the arrays
+    the loss closes over, as `concatenate([chosen, rejected])` made before it)."""
+    sizes = [n for n, _, _ in self.candidates] + list(lengths)
     if self.segment_major or not self.batch_size or not any(
-        n != self.batch_size and n % self.batch_size == 0 for n, _, _ in self.candidates):
+        n != self.batch_size and n % self.batch_size == 0 for n in sizes):
       return None
     return dataclasses.replace(self, segment_major=True)
 

@@ -325,9 +325,10 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   k = plan_lib.peek("microbatches")
   readings += [c for c in (ctx.step_inputs(), ctx.leafwise(), *ctx.other_sizes(own))
                if c not in readings and (k == 1 or (c.batch_size or 1) % k == 0)]
-  readings += [s for c in (ctx, *readings) if (s := c.segmented()) is not None
-               and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
   batch_leaves = t.inputs()[2]  # (those the loss closes over too)
+  lengths = {x.shape[0] for x in batch_leaves if getattr(x, "ndim", 0)}
+  readings += [s for c in (ctx, *readings) if (s := c.segmented(lengths)) is not None
+               and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
   apart = {ctx.without(x): x for x in batch_leaves} if len(batch_leaves) > 1 else {}
   readings += list(apart)
   reported, uneven = (ctx, t, None, refused), None

@@ -17,6 +17,7 @@ from jax._src import source_info_util  # (jax's own eval_jaxpr keeps name stacks
 from jax.extend import core as jcore
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,7 +80,8 @@ def flatten(closed: Any) -> Program:
   jaxpr = closed.jaxpr
   alias: dict[Any, Any] = {v: Slot(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars)}
   eqns: list[Eqn] = []
-  _inline(jaxpr, alias, eqns, "", source_info_util.new_name_stack())
+  _inline(jaxpr, alias, eqns, "", source_info_util.new_name_stack(),
+          returned=frozenset(v for v in jaxpr.outvars if isinstance(v, jcore.Var)))
   outs = tuple(_resolve(v, alias) for v in jaxpr.outvars)
   return Program(tuple(alias[v] for v in jaxpr.constvars),
                  tuple(alias[v] for v in jaxpr.invars), tuple(eqns), outs)
@@ -99,12 +101,18 @@ def _sub_closed(eqn):
   return None
 
 
-def _inline(jaxpr, alias, eqns: list, stack: str, names, site=None) -> None:
+def _inline(jaxpr, alias, eqns: list, stack: str, names, site=None,
+            returned: frozenset = frozenset()) -> None:
+  """`returned`: this jaxpr's outputs that are the program's own: a checkpoint that
+  returns one of them wraps the whole loss (`jax.checkpoint(loss_fn)`), and is inlined
+  too: its sums are the loss's, split like any (each microbatch's forward is its own)."""
   for eqn in jaxpr.eqns:
     invars = tuple(_resolve(v, alias) for v in eqn.invars)
     here = _join(stack, str(eqn.source_info.name_stack))
     names_here = names + eqn.source_info.name_stack
-    sub = _sub_closed(eqn) if eqn.primitive.name in _INLINED else None
+    name = eqn.primitive.name
+    whole_loss = name in _CHECKPOINTS and any(v in returned for v in eqn.outvars)
+    sub = _sub_closed(eqn) if name in _INLINED or whole_loss else None
     if sub is None:
       outs = tuple(Slot(v.aval) for v in eqn.outvars)
       alias.update(zip(eqn.outvars, outs))
@@ -116,7 +124,9 @@ def _inline(jaxpr, alias, eqns: list, stack: str, names, site=None) -> None:
       alias[v] = Const(c)
     for v, a in zip(inner.invars, invars):
       alias[v] = a
-    _inline(inner, alias, eqns, here, names_here, site or eqn.source_info)
+    inner_returned = frozenset(i for o, i in zip(eqn.outvars, inner.outvars)
+                               if o in returned and isinstance(i, jcore.Var))
+    _inline(inner, alias, eqns, here, names_here, site or eqn.source_info, inner_returned)
     for out, inner_out in zip(eqn.outvars, inner.outvars):
       alias[out] = _resolve(inner_out, alias)
     for v in (*inner.constvars, *inner.invars):

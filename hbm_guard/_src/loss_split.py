@@ -57,11 +57,13 @@ _HOW = {
                          "the totals give (one more forward pass per microbatch)",
     Scheme.PER_ELEMENT: "; the sum's gradient accumulated and scaled once by the cotangent "
                         "of the total",
-    Scheme.STAGED: "; the statistics' sums totalled first, then the sums that read them, "
-                   "then each microbatch pulled back through both (three more forward passes "
-                   "per microbatch)",
+    Scheme.STAGED: "; the statistics' sums totalled first, stage by stage, then the sums "
+                   "that read them, then each microbatch pulled back through all of them "
+                   "(per stage, one more forward pass and one more pullback per microbatch, "
+                   "and one more forward pass for the loss's sums)",
 }
 _MAX_HOISTS = 32  # parameter-free equations moved to the whole batch, at most
+MAX_STAGES = 4  # batch statistics computed from one another, at most this deep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +83,18 @@ class Split:
   # batch and split like it; slot -> its layout (batch_axis.Batched).
   split: tuple = ()
   micro: micro_program.MicroProgram | None = None  # the loss on one microbatch, checked
-  # Batch statistics the parameters reach that per-example work reads (`Scheme.STAGED`):
-  # each microbatch is given their totals; `stage_sums` are the sums they are computed from.
-  staged: tuple = ()
-  stage_sums: tuple = ()
+  # Batch statistics the parameters reach that per-example work reads (`Scheme.STAGED`),
+  # in stages: ((statistics, the sums they are computed from), ...), each stage's sums
+  # reading only earlier stages' statistics; each microbatch is given their totals.
+  stages: tuple = ()
+
+  @property
+  def staged(self) -> tuple:
+    return tuple(v for stats, _ in self.stages for v in stats)
+
+  @property
+  def stage_sums(self) -> tuple:
+    return tuple(dict.fromkeys(v for _, sums in self.stages for v in sums))
 
 
 def analyse(t: Traced, batch: int, k: int = 1) -> Split:
@@ -139,7 +149,8 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
       raise batch_axis.NotSplittable("the loss does not depend on the batch")
     frontier = tuple(v for v in _frontier(prog, tags, prog.outvars, given) if v not in staged)
     _refuse_extrema(prog, tags, frontier, False, staged)
-    stage_sums = _stage_sums(prog, tags, staged, given - staged, value_dep, frontier)
+    stages = _stages(prog, tags, staged, given - staged, value_dep, frontier)
+    stage_sums = tuple(dict.fromkeys(v for _, sums in stages for v in sums))
     _refuse_extrema(prog, tags, stage_sums, True, staged)
     if not frontier and outs[0] is batch_axis.COMBINED:  # (split, it would save nothing)
       raise batch_axis.NotSplittable(
@@ -214,15 +225,15 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
     n_ext = sum(tags.get(v) in batch_axis.tags.EXTREMA for v in stage_sums)
     stats += (f"; {len(staged)} batch statistic(s) of the parameters' values (from "
               f"{len(stage_sums) - n_ext} sum(s)"
-              f"{f' and {n_ext} maxima or minima' if n_ext else ''} over the batch) "
-              f"totalled first and given to each microbatch")
+              f"{f' and {n_ext} maxima or minima' if n_ext else ''} over the batch, in "
+              f"{len(stages)} stage(s)) totalled first and given to each microbatch")
   checkpoints = _checkpoints(prog, flat.needed(prog, list(frontier), given=given))
   if checkpoints:
     stats += f"; the step's own {checkpoints} checkpoint(s) kept in each microbatch"
   return Split(tags, frontier, dep, batched_outs,
                f"loss: {kind}, accumulated over microbatches and combined once"
                f"{_HOW.get(scheme, '')}{rule_note}{stats} (exact)", scheme, hoisted_t,
-               split_t, micro, _in_order(prog, staged), stage_sums)
+               split_t, micro, stages)
 
 
 def _in_order(prog: flat.Program, values: set) -> tuple:
@@ -238,7 +249,8 @@ def _frontier(prog: flat.Program, tags: dict, targets, given) -> tuple:
     e = prog.eqns[i]
     if tags.get(e.outvars[0]) is batch_axis.COMBINED:
       found += [v for v in e.invars if flat.is_var(v) and tags.get(v) in kept]
-  found += [v for v in targets if flat.is_var(v) and tags.get(v) in kept]
+  # (a maximum returned as it is, a metric in has_aux, is a per-microbatch output instead)
+  found += [v for v in targets if flat.is_var(v) and tags.get(v) is batch_axis.SUM]
   return tuple(dict.fromkeys(found))
 
 
@@ -259,23 +271,15 @@ def _refuse_extrema(prog: flat.Program, tags: dict, sums, allowed: bool, staged)
         f"splits)")
 
 
-def _stage_sums(prog: flat.Program, tags: dict, staged: set, given: set, value_dep: set,
-                frontier: tuple) -> tuple:
-  """The sums the batch statistics in `staged` are computed from; refuses, by name, a
-  statistic computed from per-example values another one centred (BatchNorm's variance)
-  and per-example values a statistic reached that meet the parameters again (the layers
-  after a BatchNorm): each would need a pass of its own over the microbatches."""
+def _stages(prog: flat.Program, tags: dict, staged: set, given: set, value_dep: set,
+            frontier: tuple) -> tuple:
+  """The batch statistics in `staged` in stages, each with the sums it is computed from:
+  a statistic of values another one centred (a standard deviation after the mean, a
+  softmax over the batch after its maximum) is a stage later. Refuses, by name, per-example
+  values a statistic reached that meet the parameters again (the layers after a
+  BatchNorm: each such layer would need its own passes), and more than MAX_STAGES."""
   if not staged:
     return ()
-  for v in staged:
-    readers = [prog.eqns[i] for i in flat.needed(prog, [v], given=given)
-               if any(u in staged for u in prog.eqns[i].invars if flat.is_var(u))]
-    if readers:  # (named where the user's line is known: jnp.std's own lines are not)
-      e = next((r for r in readers if " at " in batch_axis.where(r)), readers[0])
-      raise batch_axis.NotSplittable(
-          f"{batch_axis.where(e)} reads a batch statistic to compute another one "
-          f"(BatchNorm's variance, a softmax over the batch): each would need a pass of its "
-          f"own over the microbatches")
   reached = _depends(prog, staged)
   for i in flat.needed(prog, list(frontier), given=given | staged):
     e = prog.eqns[i]
@@ -290,7 +294,22 @@ def _stage_sums(prog: flat.Program, tags: dict, staged: set, given: set, value_d
           f"{batch_axis.where(e)} applies the parameters to values a batch statistic "
           f"normalised (the layers after a BatchNorm): the statistic would need a pass of "
           f"its own over the microbatches before them")
-  return _frontier(prog, tags, _in_order(prog, staged), given)
+  level: dict = {}
+  for v in _in_order(prog, staged):  # (in program order: what a statistic reads is before it)
+    readers = [prog.eqns[i] for i in flat.needed(prog, [v], given=given | (staged - {v}))]
+    read = {u for e in readers for u in e.invars if flat.is_var(u) and u in staged}
+    level[v] = 1 + max((level[u] for u in read), default=0)
+    if level[v] > MAX_STAGES:
+      e = next(e for e in readers if any(u in read for u in e.invars if flat.is_var(u)))
+      raise batch_axis.NotSplittable(
+          f"{batch_axis.where(e)} reads a batch statistic computed from another, "
+          f"{level[v]} deep (more than {MAX_STAGES}): each would need a pass of its own "
+          f"over the microbatches")
+  stages = []
+  for n in range(1, max(level.values()) + 1):
+    stats = tuple(v for v in level if level[v] == n)
+    stages.append((stats, _frontier(prog, tags, stats, given | (staged - set(stats)))))
+  return tuple(stages)
 
 
 def _to_the_whole_batch(prog: flat.Program, tags: dict, v, batch: int, param_free,

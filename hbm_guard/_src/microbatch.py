@@ -71,10 +71,8 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
   stats, shares = _whole_batch_values(t, split, k, batch)
   hoisted = [slot[v] for v in split.hoisted]
   shared = [slot[v] for v, _ in split.split]
-  staged = [slot[v] for v in split.staged]
-  given = hoisted + shared + staged
 
-  def per_micro(d, micro_vals, i, wanted=None, statistics=()):
+  def per_micro(d, micro_vals, i, wanted=None, statistics=None):
     micro_in, micro_shares = micro_vals
     consts, own = list(closed.consts), list(other)
     for p in keys:  # each microbatch draws its own random numbers
@@ -85,9 +83,10 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
     env.update(zip(prog.invars, [*d, *own, *micro_in]))
     env.update(zip(hoisted, stats))
     env.update(zip(shared, micro_shares))
-    env.update(zip(staged, statistics))
-    if wanted is not None:
-      return flat.evaluate(prog, env, flat.needed(prog, wanted, given=given), wanted)
+    env.update(statistics or {})  # {microbatch slot: a statistic's total}
+    if wanted is not None:  # (the statistics known so far given: a later one is computed)
+      known = [*hoisted, *shared, *(statistics or {})]
+      return flat.evaluate(prog, env, flat.needed(prog, wanted, given=known), wanted)
     vals = flat.evaluate(prog, env, indices, frontier + outs, segments, wrap, constrain)
     sums, bouts = vals[:len(frontier)], vals[len(frontier):]
     return [sums[j] for j in dep], (sums, bouts)
@@ -119,7 +118,7 @@ def microbatched(t: auto_grad.Traced, split: loss_split.Split, batch: int, k: in
   return _combine(t, split, totals, grads, basis, stacked, batch // k)
 
 
-def _total(per_micro, xs, d, wanted, statistics=(), extrema=()) -> list:
+def _total(per_micro, xs, d, wanted, statistics=None, extrema=()) -> list:
   """The sums `wanted` (microbatch slots) totalled over the microbatches, forward only;
   `extrema` (tags by position) for a maximum or minimum: the microbatches' combined so."""
   kinds = list(extrema) or [None] * len(wanted)
@@ -151,15 +150,16 @@ def _identity(aval, kind):
 
 def _staged(t: auto_grad.Traced, split: loss_split.Split, per_micro, xs, hoisted_vals,
             dep: list[int], m: int):
-  """`Scheme.STAGED`: L = H(S2, V, d), V = G(S1, d), S1 and S2 sums over the batch, S2's
-  terms reading V. Totals S1 (one pass), V, totals S2 (one pass); then each microbatch
-  pulled back through its S2 terms with jax.jit's cotangent of S2 (giving V's cotangent
-  too), and through its S1 terms with the cotangent that gives S1 (one pass each)."""
+  """`Scheme.STAGED`: L = H(S, V, d); each stage's statistics V_n = G_n(S_n, V_<n, d), its
+  sums S_n over the batch reading earlier stages' statistics; the loss's sums S read them
+  all. Forward: each stage's sums totalled (one pass each), its statistics computed, then
+  the loss's sums (one pass). Backward: each microbatch pulled back through its terms of
+  S with jax.jit's cotangent of S (giving the statistics' cotangents), then, stage by stage
+  from the last, through G_n and its terms of S_n (one pass each)."""
   prog, micro = t.prog, split.micro
   diff, other, batch_vals = t.inputs()
   slot = micro.slot
-  s1_slots = [slot[v] for v in split.stage_sums]
-  s2_slots = micro.frontier[:len(split.frontier)]
+  staged = list(split.staged)
 
   def whole_env(d):
     env = dict(zip(prog.constvars, t.closed.consts))
@@ -167,60 +167,90 @@ def _staged(t: auto_grad.Traced, split: loss_split.Split, per_micro, xs, hoisted
     env.update(zip(split.hoisted, hoisted_vals))
     return env
 
-  def statistics(s1, d):  # V = G(S1, d), at the whole batch's sums
-    env = whole_env(d)
-    env.update(zip(split.stage_sums, s1))
-    given = [*split.stage_sums, *split.hoisted]
-    return flat.evaluate(prog, env, flat.needed(prog, split.staged, given=given),
-                         list(split.staged))
+  def micro_stats(values: dict) -> dict:  # {whole slot: value} -> {microbatch slot: value}
+    return {slot[v]: x for v, x in values.items()}
 
-  extrema = [split.tags.get(v) if split.tags.get(v) in _COMBINE else None
-             for v in split.stage_sums]
-  s1 = _total(per_micro, xs, diff, s1_slots, (), extrema)
-  # (no gradient flows through an extremum: loss_split refuses it otherwise)
-  inexact = [j for j, v in enumerate(s1) if _inexact(v) and extrema[j] is None]
-  v_stat, pull_g = jax.vjp(
-      lambda s, d: statistics(_put(s1, inexact, s), d), [s1[j] for j in inexact], diff)
-  s2 = _total(per_micro, xs, diff, s2_slots, v_stat)
-  vdep = [j for j, v in enumerate(v_stat) if _inexact(v)]
+  known: dict = {}  # statistic -> its total
+  pulls = []  # per stage: (its sums' slots, their totals, which differentiable, pullback of G)
+  for stats, sums in split.stages:
+    extrema = [split.tags.get(v) if split.tags.get(v) in _COMBINE else None for v in sums]
+    totals = _total(per_micro, xs, diff, [slot[v] for v in sums], micro_stats(known), extrema)
+    inexact = [j for j, x in enumerate(totals) if _inexact(x) and extrema[j] is None]
+    earlier = [v for v in known if _inexact(known[v])]
+
+    def statistics(s, before, d, stats=stats, sums=sums, totals=totals, inexact=inexact,
+                   earlier=earlier):  # V_n = G_n(S_n, V_<n, d), at the whole batch's sums
+      env = whole_env(d)
+      env.update(known)
+      env.update(zip(earlier, before))
+      env.update(zip(sums, _put(totals, inexact, s)))
+      given = [*sums, *split.hoisted, *known]
+      return flat.evaluate(prog, env, flat.needed(prog, list(stats), given=given), list(stats))
+
+    values, pull = jax.vjp(statistics, [totals[j] for j in inexact],
+                           [known[v] for v in earlier], diff)
+    pulls.append((sums, totals, inexact, earlier, pull, stats, dict(known)))
+    known.update(zip(stats, values))
+
+  v_all = [known[v] for v in staged]
+  vdep = [j for j, x in enumerate(v_all) if _inexact(x)]
+  s2 = _total(per_micro, xs, diff, micro.frontier[:len(split.frontier)], micro_stats(known))
   targets = [prog.outvars[0]]
-  indices = flat.needed(prog, targets, given=[*split.frontier, *split.staged])
+  indices = flat.needed(prog, targets, given=[*split.frontier, *staged])
 
-  def head(s, v, d):  # H(S2, V, d)
+  def head(s, v, d):  # H(S, V, d)
     env = whole_env(d)
     env.update(zip(split.frontier, _put(s2, dep, s)))
-    env.update(zip(split.staged, _put(v_stat, vdep, v)))
+    env.update(zip(staged, _put(v_all, vdep, v)))
     return flat.evaluate(prog, env, indices, targets)[0]
 
-  c_s2, c_v = jax.grad(head, argnums=(0, 1))([s2[j] for j in dep], [v_stat[j] for j in vdep],
+  c_s2, c_v = jax.grad(head, argnums=(0, 1))([s2[j] for j in dep], [v_all[j] for j in vdep],
                                             diff)
 
-  def back2(carry, x):
-    grads, cv = carry
-    micro_vals, i = x
-    _, vjp, (_, bouts) = jax.vjp(
-        lambda d, v: per_micro(d, micro_vals, i, statistics=_put(v_stat, vdep, v)),
-        diff, [v_stat[j] for j in vdep], has_aux=True)
-    gd, gv = vjp([c.astype(s2[j].dtype) for c, j in zip(c_s2, dep)])
-    return (_add(grads, gd), _add(cv, gv)), bouts
+  def pull_back(wanted, cot, wrt, given):
+    """One pass: each microbatch's terms of the sums `wanted` (None: the loss's, with the
+    per-example outputs) pulled back with `cot`, to the parameters and the statistics
+    `wrt` (of those `given`, the statistics known before those sums); their sums, with the
+    per-example outputs stacked."""
+    def body(carry, x):
+      grads, cv = carry
+      micro_vals, i = x
 
-  zeros_d = [jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff]
-  zeros_v = [jnp.zeros(v_stat[j].shape, _acc_dtype(v_stat[j].dtype)) for j in vdep]
-  (g2, cv2), stacked = jax.lax.scan(back2, (zeros_d, zeros_v), xs)
-  cv = [(a + b.astype(a.dtype)).astype(v_stat[j].dtype) for a, b, j in zip(c_v, cv2, vdep)]
-  c_s1, g_stat = pull_g(_put([_no_cotangent(v) for v in v_stat], vdep, cv))
+      def f(d, v):
+        stats = micro_stats({**given, **dict(zip(wrt, v))})
+        if wanted is None:
+          sums, (_, bouts) = per_micro(d, micro_vals, i, statistics=stats)
+          return sums, bouts
+        return per_micro(d, micro_vals, i, wanted, stats), None
+      _, vjp, bouts = jax.vjp(f, diff, [known[u] for u in wrt], has_aux=True)
+      gd, gv = vjp(cot)
+      return (_add(grads, gd), _add(cv, gv)), bouts
+    zeros_d = [jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x in diff]
+    zeros_v = [jnp.zeros(known[u].shape, _acc_dtype(known[u].dtype)) for u in wrt]
+    return jax.lax.scan(body, (zeros_d, zeros_v), xs)
 
-  def back1(grads, x):
-    micro_vals, i = x
-    _, vjp = jax.vjp(lambda d: [per_micro(d, micro_vals, i, s1_slots)[j] for j in inexact],
-                     diff)
-    (gd,) = vjp([c.astype(s1[j].dtype) for c, j in zip(c_s1, inexact)])
-    return _add(grads, gd), None
-
-  g1, _ = jax.lax.scan(back1, zeros_d, xs)
-  grads = [a + b.astype(a.dtype) + c.astype(a.dtype) for a, b, c in zip(g2, g1, g_stat)]
-  return _combine(t, split, s2, [grads], None, stacked, m,
-                  dict(zip(split.staged, v_stat)))
+  wrt = [staged[j] for j in vdep]
+  (grads, cv), stacked = pull_back(
+      None, [c.astype(s2[j].dtype) for c, j in zip(c_s2, dep)], wrt, known)
+  acc = lambda u, c: c.astype(_acc_dtype(known[u].dtype))  # noqa: E731
+  cot_v = {u: acc(u, a) + acc(u, b) for u, a, b in zip(wrt, c_v, cv)}  # so far, by statistic
+  for sums, totals, inexact, earlier, pull, stats, before in reversed(pulls):
+    c_stats = [cot_v.get(v, None) for v in stats]
+    c_stats = [_no_cotangent(known[v]) if c is None else c.astype(known[v].dtype)
+               for v, c in zip(stats, c_stats)]
+    c_s, c_before, g_stat = pull(c_stats)
+    grads = [a + g.astype(a.dtype) for a, g in zip(grads, g_stat)]
+    for u, c in zip(earlier, c_before):
+      cot_v[u] = cot_v.get(u, 0) + acc(u, c)
+    if not inexact:  # (maxima only: no gradient flows through them)
+      continue
+    (g_s, c_more), _ = pull_back(
+        [slot[sums[j]] for j in inexact],
+        [c.astype(totals[j].dtype) for c, j in zip(c_s, inexact)], earlier, before)
+    grads = [a + g.astype(a.dtype) for a, g in zip(grads, g_s)]
+    for u, c in zip(earlier, c_more):
+      cot_v[u] = cot_v.get(u, 0) + acc(u, c)
+  return _combine(t, split, s2, [grads], None, stacked, m, dict(zip(staged, v_all)))
 
 
 def _no_cotangent(x):

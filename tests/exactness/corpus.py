@@ -935,6 +935,29 @@ def _():
   return sgd(loss), _xy
 
 
+@case("two_views_by_jnp_tile_scaled_by_a_repeat", expect_split=True)
+def _():
+  # the views' scales built by jnp.repeat([1.0, 0.8], n): a constant in segments, taken
+  # as the batch's segments (not two rows per example) by the op it meets the views at
+  def loss(p, x, y):
+    n = x.shape[0]
+    z = mlp(p, jnp.tile(x, (2, 1)) * jnp.repeat(jnp.array([1.0, 0.8]), n)[:, None])
+    return optax.softmax_cross_entropy_with_integer_labels(z[:n], y).mean() + jnp.mean(
+        (z[:n] - z[n:]) ** 2)
+  return sgd(loss), _xy
+
+
+@case("checkpoint_around_the_whole_loss", expect_split=True)
+def _():
+  # jax.checkpoint(loss_fn) with its mean inside: opened, its sums split like any
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y).mean(), jnp.mean(
+        jnp.argmax(mlp(p, x), -1) == y)
+  return sgd(jax.checkpoint(
+      loss, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+      has_aux=True), _xy
+
+
 @case("simclr_views_concatenated", expect_split=True)
 def _():
   # the two views in segments of one axis, compared view with view of each example (no
@@ -1048,13 +1071,36 @@ def _():
   return sgd(loss), _xy
 
 
-@case("softmax_weights_over_the_batch", expect_split=False)
+@case("softmax_weights_over_the_batch", expect_split=True)
 def _():
-  # each example weighted by a softmax over the batch: a sum that reads the maximum, read
-  # per example again (two statistics deep): refused by name
+  # each example weighted by a softmax over the batch: its maximum, then the sum of
+  # exponentials that reads it, then the weighted sum (statistics two stages deep)
   def loss(p, x, y):
     per = optax.softmax_cross_entropy_with_integer_labels(mlp(p, x), y)
     return jnp.sum(jax.nn.softmax(per) * per)
+  return sgd(loss), _xy
+
+
+@case("standardised_predictions_over_the_batch", expect_split=True)
+def _():
+  # (p - mean) / std over the batch against standardised targets: the deviation reads the
+  # mean (two stages), the Huber loss reads both per example
+  def loss(p, x, y):
+    pred = mlp(p, x)[:, 0]
+    z = (pred - pred.mean()) / (pred.std() + 1e-6)
+    t = y.astype(jnp.float32)
+    return jnp.mean(optax.huber_loss(z, (t - t.mean()) / (t.std() + 1e-6)))
+  return sgd(loss), _xy
+
+
+@case("listnet_softmax_over_the_batch", expect_split=True)
+def _():
+  # ListNet: cross-entropy between the softmax over the batch of the scores and of the
+  # targets (log_softmax: the maximum, then the log of the sum of exponentials)
+  def loss(p, x, y):
+    scores = mlp(p, x)[:, 0]
+    target = jax.nn.softmax(y.astype(jnp.float32))
+    return -jnp.sum(target * jax.nn.log_softmax(scores))
   return sgd(loss), _xy
 
 

@@ -121,6 +121,9 @@ REDUCTIONS: dict[str, Callable] = {
         (h[:, 0] - h[:, 0].mean()) * (x[:, 0] - x[:, 0].mean())) / jnp.sqrt(
             jnp.sum((h[:, 0] - h[:, 0].mean()) ** 2) * jnp.sum((x[:, 0] - x[:, 0].mean()) ** 2)
             + 1e-6),
+    "standardised_by_batch": lambda h, x: jnp.mean(
+        ((h - h.mean(0)) / (h.std(0) + 1e-2)) ** 2 * x[:, :1]),
+    "softmax_over_batch": lambda h, x: jnp.sum(jax.nn.softmax(h[:, 0]) * h[:, 1]),
     "covariance_off_diagonal": lambda h, x: jnp.sum(
         ((h - h.mean(0)).T @ (h - h.mean(0)) / B * (1 - jnp.eye(h.shape[1]))) ** 2),
 }
