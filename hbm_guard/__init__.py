@@ -22,7 +22,7 @@ from hbm_guard._src.errors import TpuCompilerBusyError
 from hbm_guard._src.errors import UnknownTargetError
 from hbm_guard._src.climb import Attempt
 from hbm_guard._src.guard import GuardedFunction
-from hbm_guard._src.guard import guarded_jit
+from hbm_guard._src.api import guarded_jit
 from hbm_guard._src.plan_aware import checkpoint
 from hbm_guard._src.plan_aware import compute_dtype
 from hbm_guard._src.plan_aware import current_remat_policy

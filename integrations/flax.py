@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from hbm_guard._src import api
 from hbm_guard._src import guard as guard_lib
 from hbm_guard._src import plan_aware
 from hbm_guard._src import offload
@@ -82,7 +83,7 @@ def guarded_train_step(loss_fn: Callable, *, has_aux: bool = False, **guard_opti
                        ) -> guard_lib.GuardedFunction:
   """`train_step` under `guarded_jit`, with the state (argument 0) donatable and shardable."""
   guard_options.setdefault("state_argnums", 0)
-  return guard_lib.guarded_jit(train_step(loss_fn, has_aux=has_aux), **guard_options)
+  return api.guarded_jit(train_step(loss_fn, has_aux=has_aux), **guard_options)
 
 
 def nnx_train_step(loss_fn: Callable, graphdef: Any, *, has_aux: bool = False,

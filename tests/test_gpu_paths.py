@@ -29,6 +29,7 @@ def test_no_device_capacity_on_the_cpu():
 
 
 def test_a_retry_needs_every_donated_argument_alive():
+  from hbm_guard._src import keep  # pylint: disable=import-outside-toplevel
   def double(x, y):
     return x * 2, y
   step = hbm_guard.guarded_jit(double, donate_argnums=0)
@@ -36,5 +37,5 @@ def test_a_retry_needs_every_donated_argument_alive():
   step(a, b)
   entry = step._hot  # pylint: disable=protected-access
   assert a.is_deleted()
-  assert not step._donated_alive(entry, (a, b))  # pylint: disable=protected-access
-  assert step._donated_alive(entry, (jnp.ones(8), b))  # pylint: disable=protected-access
+  assert not keep.donated_alive(entry, (a, b), step.options)
+  assert keep.donated_alive(entry, (jnp.ones(8), b), step.options)

@@ -1,4 +1,4 @@
-"""guarded_jit: `jax.jit` that climbs a fallback ladder when the step does not fit.
+"""GuardedFunction: a `jax.jit` that climbs a fallback ladder when the step does not fit.
 
 A call goes straight to a `jax.jit` object (jax's C++ fast path). Only when jax traces an
 input signature the guard has not fitted does it step in: the traced function raises
@@ -7,16 +7,17 @@ a lock, one `fit.Fit` each), climbing from the plan in force. Each plan has its 
 object, whose traced function only accepts the signatures fitted to that plan, so a plan
 always belongs to the signatures it was fitted for, signatures sharing a plan share one
 jit (no recompiles), and the executable the fit compiled is the one the next call runs.
+Which of the plans that fit is kept (estimated or timed rivals) is `keep`'s; the public
+constructor, `guarded_jit`, is `api`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import os
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable
 
 import jax
 from absl import logging
@@ -27,15 +28,14 @@ from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
 from hbm_guard._src import estimated as estimated_lib
 from hbm_guard._src import fit as fit_lib
+from hbm_guard._src import keep
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import record as record_lib
-from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import tournament as tournament_lib
-from hbm_guard._src.search import rivals as rivals_lib
 
 default_offload_filter = layout_lib.default_offload_filter
 
@@ -131,7 +131,8 @@ class GuardedFunction:
                         key, args, kwargs)
       self._estimated = None  # a fit that raises compared nothing
       result = fit.run(start, failed_run)
-      compared = self._estimated = self._compare_estimates(fit, result)
+      compared = self._estimated = keep.compare_estimates(fit, result, self.options,
+                                                          self._step.name)
       if compared is not None:
         result = dataclasses.replace(result, plan=compared.winner)
       entry = self._step.plan_jit(self._backend.runnable(result.plan), args)
@@ -139,7 +140,11 @@ class GuardedFunction:
       self._by_signature[key] = entry
       self._many_plans = len({id(e) for e in self._by_signature.values()}) > 1
       self._plan, self._hot = result.plan, entry
-      self._time_rivals(fit, result, key, args, kwargs)
+      if not self._many_plans:
+        timed = keep.tournament(fit, result, self._step, self._backend, self.options, key,
+                                args, kwargs, functools.partial(self._settle, key, fit))
+        if timed is not None:  # the first steps time rivals, then settle
+          self._hot = timed
       if compared is not None:
         self._ledger.write(fit_lib.Status.FITS, final_plan=result.plan,
                            estimated=compared.to_dict())
@@ -150,62 +155,6 @@ class GuardedFunction:
         logging.info("hbm_guard: %s fits with %s after %d compile(s)", self._step.name,
                      result.plan.describe(), len(result.attempts))
       return entry
-
-  def _compare_estimates(self, fit: fit_lib.Fit, result: climb_lib.Result
-                         ) -> estimated_lib.Outcome | None:
-    """For a target, where the user allows it (`estimated_rivals`): plans near the
-    search's choice compiled, the one estimated fastest kept (`estimated`); None where
-    nothing was compared. Rivals stop where the fit's time budget would not cover one."""
-    field = fit.rivals(result, estimated=True) if self.options.estimated_rivals else None
-    if field is None or not result.attempts:
-      return None
-    def compile_plans(plans):
-      out = []
-      for plan, trial in zip(plans, fit.compile_rivals(plans)):
-        if trial is None:  # past the time budget
-          out.append(None)
-          continue
-        e = estimated_lib.Estimated.of(plan, trial)
-        logging.info("hbm_guard: %s, estimated against %s: %s%s", plan.describe(),
-                     result.plan.describe(), trial.outcome,
-                     "" if e.seconds is None else f", {1000 * e.seconds:.2f} ms a step")
-        out.append(e)
-      return out
-    chosen = estimated_lib.Estimated.of(result.plan, result.attempts[-1])
-    outcome = estimated_lib.compare(field, chosen, compile_plans,
-                                    self.options.estimated_rivals, width=fit.rival_width)
-    if outcome.winner != result.plan:
-      logging.info("hbm_guard: %s: %s in place of %s: %s", self._step.name,
-                   outcome.winner.describe(), result.plan.describe(), outcome.why)
-    return outcome
-
-  def _time_rivals(self, fit: fit_lib.Fit, result: climb_lib.Result, key, args, kwargs):
-    """Where the step runs here and the search left plans near its choice: the first steps
-    time them against it (`tournament`); one process only (several must agree on a plan)."""
-    o = self.options
-    field = (fit.rivals(result) if o.timed_rivals and not self._many_plans
-             and jax.process_count() == 1 else None)
-    if field is None or rivals_lib.next_rival(
-        field, result.plan, frozenset({planner_lib.program(result.plan)})) is None:
-      return
-    shapes = layout_lib.abstract_tree((args, kwargs))
-    def entry(plan):
-      e = self._step.plan_jit(self._backend.runnable(plan), shapes[0])
-      e.allowed.add(key)
-      return e
-    def compile_fits(plan):
-      trial = self._backend.compile(plan, key, *shapes)
-      logging.info("hbm_guard: %s, to time against %s: %s", plan.describe(),
-                   result.plan.describe(), trial.outcome)
-      return trial.outcome is compile_lib.Outcome.FITS
-    def recoverable(error, call_args):  # a rival's allocation failed: nothing consumed
-      rec = record_lib.parse(error)
-      return (rec is not None and not rec.is_compile_time
-              and self._donated_alive(entry(result.plan), call_args))
-    self._hot = tournament_lib.Tournament(
-        field, result.plan, entry, compile_fits,
-        functools.partial(self._settle, key, fit, entry), max_rivals=o.timed_rivals,
-        recoverable=recoverable)
 
   def _settle(self, key, fit: fit_lib.Fit, entry, outcome: tournament_lib.Outcome):
     """The plan the first steps settled on runs this signature from now on, directly."""
@@ -222,12 +171,6 @@ class GuardedFunction:
                    outcome.winner.describe(), ", ".join(
                        f"{t.plan.describe()} {1000 * t.median:.2f} ms" for t in outcome.timings))
 
-  def _donated_alive(self, entry: steps_lib.PlanJit, args) -> bool:
-    """Whether every argument the plan donates is still there (not consumed)."""
-    donated = set(entry.plan.donate_argnums) | set(self.options.user_donate)
-    return not any(getattr(x, "is_deleted", lambda: False)()
-                   for i in donated if i < len(args) for x in jax.tree_util.tree_leaves(args[i]))
-
   def _first_run(self, entry: steps_lib.PlanJit, key, args, kwargs):
     """The first call of a newly fitted plan: a runtime out-of-memory (a GPU allocating at
     run time) is climbed from like a compile-time one, when nothing the caller held was
@@ -238,7 +181,7 @@ class GuardedFunction:
       rec = record_lib.parse(e)
       if rec is None or rec.is_compile_time or not self.options.auto_fallback:
         raise
-      if not self._donated_alive(entry, args):
+      if not keep.donated_alive(entry, args, self.options):
         raise errors.StateConsumedError.at_first_call(
             name=self._step.name, plan=entry.plan.describe()) from e
       entry.allowed.discard(key)
@@ -319,93 +262,3 @@ class _Bound:
     if name in ("fit", "lower", "trace", "eval_shape"):  # each takes the step's arguments
       return functools.partial(attr, self._instance)
     return attr
-
-
-class _Default:
-  """A keyword's default, told apart from the same value given explicitly (which, beside
-  `options=`, replaces that field); shown as the value itself in help(). The value is
-  GuardOptions' own field default, written there once."""
-  __slots__ = ("value",)
-
-  def __init__(self, option: str):
-    self.value = _OPTION_FIELDS[option].default
-
-  def __repr__(self):
-    return repr(self.value.value if isinstance(self.value, enum.Enum) else self.value)
-
-
-_OPTION_FIELDS = {f.name: f for f in dataclasses.fields(options_lib.GuardOptions)}
-
-
-def guarded_jit(fun: Callable | None = None, /, *,
-                capacity: int | str | None = _Default("capacity"),
-                target: str | None = _Default("target"), max_class: str = _Default("max_class"),
-                max_attempts: int = _Default("max_attempts"),
-                ladder: str | Sequence[Any] | None = _Default("ladder"),
-                state_argnums: int | Sequence[int] = _Default("state_argnums"),
-                report_dir: str | None = _Default("report_dir"),
-                auto_fallback: bool = _Default("auto_fallback"),
-                plan_cache: str | os.PathLike | bool | None = _Default("plan_cache"),
-                plan: plan_lib.Plan | dict | str | None = _Default("plan"),
-                search: str = _Default("search"),
-                headroom: float = _Default("headroom"),
-                plan_cache_retry_exhausted: bool = _Default("plan_cache_retry_exhausted"),
-                options: options_lib.GuardOptions | None = None,
-                **jit_kwargs):
-  """`jax.jit` that recompiles down a fallback ladder until the step fits in memory.
-
-  Args:
-    fun: the step. Usable as `@guarded_jit` or `@guarded_jit(...)`, on functions and
-      methods.
-    capacity: bytes, "16GiB", or a device name ("v5e"): peak memory from
-      `memory_analysis()` above it counts as an out-of-memory (kind "budget"), on any
-      backend.
-    target: a TPU topology ("v5e:2x2"): climb against libtpu's compiler for it, then run
-      locally with the plan that fits the target.
-    max_class: the highest rung class allowed: "exact", "numerics" or "behaviour".
-    max_attempts: most compiles per input signature (>= 1).
-    ladder: a ladder JSON path or list of rungs; default `configs/ladder.json`.
-    state_argnums: arguments the step replaces (state in, state out with the same
-      structure), which the guard may donate and shard. Default: the `donate_argnums`
-      given for `jax.jit` (what the caller has given up already); never inferred beyond
-      them: the caller may still hold an argument the guard cannot see.
-    report_dir: where the post-mortem JSON goes (default $HBM_GUARD_REPORT_DIR or
-      ./hbm_guard_reports); written atomically after every attempt.
-    auto_fallback: False: diagnose, report, change nothing and raise (the compiler's own
-      error, or CapacityExceededError for `capacity=`). A bool only.
-    plan_cache: a directory remembering the plan that fit each program and signature (a
-      restart compiles once); True/None: $HBM_GUARD_PLAN_CACHE or ~/.cache/hbm_guard/plans;
-      False or "off": none.
-    plan: the plan to start from: a `Plan`, its dict, a JSON file (as the report's
-      `final_plan`), or a report. It must stay within these options (its rungs within
-      `max_class`, donation within `state_argnums`). With `auto_fallback=False` the plan
-      is pinned: compiled as is, and an error if it does not fit.
-    search: "probes" (default): after a failure, price candidate plans by cheap probes and
-      compile the cheapest predicted to fit; "ladder": the next rung, one compile each.
-    headroom: the fraction of the capacity a *predicted* figure must stay under (0.5-1.0);
-      the compiler's exact figure of a compiled plan is held against the capacity itself.
-    plan_cache_retry_exhausted: climb again even when the plan cache remembers that
-      nothing fit this program.
-    options: a `GuardOptions` holding all of the above (and `max_fit_seconds`, `progress`,
-      `auto_plan_aware`: False, helpers only); keyword arguments replace its fields.
-    **jit_kwargs: passed to `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
-
-  Example:
-    step = hbm_guard.guarded_jit(train_step, state_argnums=0, target="v5e:2x2")
-    state, metrics = step(state, batch)
-    step.plan, step.attempts
-  """
-  given = dict(capacity=capacity, target=target, max_class=max_class,
-               max_attempts=max_attempts, ladder=ladder, state_argnums=state_argnums,
-               report_dir=report_dir, auto_fallback=auto_fallback, plan_cache=plan_cache,
-               plan=plan, search=search, headroom=headroom,
-               plan_cache_retry_exhausted=plan_cache_retry_exhausted, **jit_kwargs)
-  if options is not None:  # what was given explicitly replaces options' fields, even a
-    given = {k: v for k, v in given.items() if not isinstance(v, _Default)}  # default value
-  else:
-    given = {k: v.value if isinstance(v, _Default) else v for k, v in given.items()}
-  if fun is None:
-    return functools.partial(guarded_jit, options=options, **given)
-  if options is None:
-    return GuardedFunction(fun, options_lib.make(**given))
-  return GuardedFunction(fun, options, **given)
