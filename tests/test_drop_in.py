@@ -919,3 +919,49 @@ def test_the_batch_is_found_on_the_axis_that_holds_it(shapes, size, axes):
   before = ctx.leading_only()  # as it was: first axes alone, the first size of a tie
   assert [before.batch_axis_of(x) for x in args] == [
       0 if x.shape[0] == before.batch_size else None for x in args]
+
+
+def test_a_loss_that_branches_on_the_batch_size_is_refused_where_it_parts():
+  """Python that branches on the batch's size traces another program on a microbatch. The
+  refusal said only "the loss traces differently on a microbatch"; it names the primitive
+  and the line where the two traces part."""
+  def step(w, x):
+    def loss_fn(w):
+      h = x @ w
+      h = jnp.tanh(h) if x.shape[0] > 8 else jnp.sin(h)  # (the branch on the batch's size)
+      return jnp.sum(h ** 2)
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  w, x = jnp.ones((8, 8)) / 8, jnp.arange(128.0).reshape(16, 8) / 128
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, x)
+  got = jitted(w, x)
+  (fact,) = facts.values()
+  assert fact.auto_refused is not None
+  assert "`tanh`" in fact.auto_refused and "has sin" in fact.auto_refused
+  assert "test_drop_in.py" in fact.auto_refused
+  assert _rel(got, jax.jit(step)(w, x)) < 1e-6
+
+
+def test_pairs_sliced_at_a_length_read_outside_the_loss_are_refused_at_their_line():
+  """DPO's `lp[:n] - lp[n:]` with `n = chosen.shape[0]` read before the loss: on a microbatch
+  `n` is still the batch's. The batch in segments is the reading that finds it; the user is
+  told that reading's refusal (read n inside the loss) at the slice's line, not the first
+  reading's "takes part of the batch axis"."""
+  def step(w, chosen, rejected):
+    both = jnp.concatenate([chosen, rejected])
+    n = chosen.shape[0]
+    def loss_fn(w):
+      lp = jnp.tanh(both @ w).sum(-1)
+      return -jax.nn.log_sigmoid(lp[:n] - lp[n:]).mean()
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  w = jnp.ones((8, 4)) / 8
+  chosen, rejected = jnp.arange(128.0).reshape(16, 8) / 128, jnp.ones((16, 8)) / 3
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, chosen, rejected)
+  got = jitted(w, chosen, rejected)
+  (fact,) = facts.values()
+  assert "read it from the batch's own shape inside the loss" in fact.auto_refused
+  assert "test_drop_in.py" in fact.auto_refused
+  assert _rel(got, jax.jit(step)(w, chosen, rejected)) < 1e-6

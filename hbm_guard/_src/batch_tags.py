@@ -4,6 +4,9 @@ primitive and the user's source line."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import traceback
 import enum
 
 import jax
@@ -91,6 +94,32 @@ def _source_line(e: flat.Eqn) -> str:
     return line
   except Exception:  # pylint: disable=broad-except  (jax moved it: the name stack alone)
     return ""
+
+
+def raised_at(error: BaseException) -> str:
+  """The user's line an error was raised from in a trace (`file:line (function)`), or "":
+  where a loss traced at a microbatch's shapes fails."""
+  frames = traceback.extract_tb(error.__traceback__)
+  return next((f"{f.filename}:{f.lineno} ({f.name})" for f in reversed(frames)
+               if _users(f.filename)), "")
+
+
+def called_at() -> str:
+  """The user's line the running code was called from (`file:line (function)`), or "":
+  where a step takes the gradient the drop-in intercepts."""
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None and not _users(frame.f_code.co_filename):
+    frame = frame.f_back
+  return "" if frame is None else (
+      f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})")
+
+
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _users(filename: str) -> bool:
+  return not (filename.startswith(_OWN) or _in_jax(filename) or "/site-packages/" in filename
+              or filename.startswith(("<frozen", "<string>")) or "/lib/python3" in filename)
 
 
 def _in_jax(line: str) -> bool:

@@ -27,11 +27,13 @@ from absl import logging
 from hbm_guard._src import auto_grad
 from hbm_guard._src import batch_axis
 from hbm_guard._src import batch_context
+from hbm_guard._src import batch_tags
 from hbm_guard._src import batch_units
 from hbm_guard._src import cond_branches
 from hbm_guard._src import errors
 from hbm_guard._src import layers as layers_lib
 from hbm_guard._src import loss_split
+from hbm_guard._src import micro_program
 from hbm_guard._src import microbatch
 from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import swap
@@ -206,9 +208,10 @@ class Found:
   split: str | None  # how the loss splits, when it does exactly
   refused: str | None  # why it does not
   layers: str | None  # the repeated layers checkpointed under a remat plan
+  line: str = dataclasses.field(default_factory=lambda: batch_tags.called_at())  # its call
 
   def describe(self) -> str:
-    parts = [f"gradient of `{self.where}`"]
+    parts = [f"gradient of `{self.where}`" + (f" ({self.line})" if self.line else "")]
     if self.batch:
       parts.append("batch: " + ", ".join(self.batch))
     parts.append(self.split or f"not split: {self.refused}")
@@ -331,7 +334,7 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
                and s not in readings and (k == 1 or (s.batch_size or 1) % k == 0)]
   apart = {ctx.without(x): x for x in batch_leaves} if len(batch_leaves) > 1 else {}
   readings += list(apart)
-  reported, uneven = (ctx, t, None, refused), None
+  reported, uneven, further = (ctx, t, None, refused), None, None
   for other in readings[:_MAX_READINGS]:
     try:
       t1 = auto_grad.trace(fun, argnums, args, kwargs, other)
@@ -341,13 +344,18 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
       continue  # (a table the parameters transform would be transformed in every microbatch)
     # (a leaf set apart is as long as the batch: its reading is held on a microbatch now,
     # not first when the climb traces one)
-    split1, refused1 = _analyse(t1, other.batch_size, checked=other in apart)
+    split1, refused1 = _analysis(t1, other.batch_size, checked=other in apart)
     if split1 is not None and not _uneven(other.batch_size):
       return other, t1, split1, None
     if split1 is not None:  # (kept, should no reading divide: the climb picks a count)
       uneven = uneven or (other, t1, split1, None)
-    elif (other is lead and lead.batch_size) or not reported[1].inputs()[2]:
-      reported = (other, t1, None, refused1)  # (a reading that found the batch says more)
+    elif ((other is lead and lead.batch_size) or not reported[1].inputs()[2]
+          or (further is None and other.segment_major
+              and isinstance(refused1, micro_program.OnMicrobatch))):
+      # (a reading that found the batch says more; so does one of the batch's segments
+      # refused only on a microbatch: `lp[:n]` with n read outside the loss)
+      further = further or isinstance(refused1, micro_program.OnMicrobatch) or None
+      reported = (other, t1, None, str(refused1))
   return uneven or reported
 
 
@@ -374,6 +382,13 @@ def _slots_of(t: auto_grad.Traced, leaf) -> list:
 def _analyse(t: auto_grad.Traced, batch: int | None, checked: bool = False):
   """(split, None) where the traced loss splits over the batch, else (None, why not).
   `checked`: held on a microbatch even under the plain plan (at the fewest that divide)."""
+  split, refused = _analysis(t, batch, checked)
+  return split, None if refused is None else str(refused)
+
+
+def _analysis(t: auto_grad.Traced, batch: int | None, checked: bool = False):
+  """`_analyse`, with the refusal as raised (NotSplittable: where it was met), or the
+  internal error's text."""
   try:
     if not batch:
       raise batch_axis.NotSplittable("no batch argument found (the step's non-state "
@@ -384,7 +399,7 @@ def _analyse(t: auto_grad.Traced, batch: int | None, checked: bool = False):
       loss_split.analyse(t, batch, counts[0])
     return loss_split.analyse(t, batch, k), None
   except batch_axis.NotSplittable as e:
-    return None, str(e)
+    return None, e
   except Exception as e:  # pylint: disable=broad-except  (a jaxpr the analysis misreads)
     if RAISE_INTERNAL:
       raise
@@ -413,7 +428,8 @@ def _note(found: Found, again: bool = False) -> None:
     found_so_far = found_so_far[:-1]
   found_so_far += (found,)
   several = len(found_so_far) > 1
-  refusals = [(f"{f.where.split('`', 1)[0]}: " if several else "") + f.refused
+  refusals = [(f"{f.where.split('`', 1)[0]} " if several else "")
+              + (f"(the gradient at {f.line}): " if f.line else "") + f.refused
               for f in found_so_far if f.refused is not None]
   split = any(f.split is not None for f in found_so_far)
   plan_lib.note(gradients=found_so_far,

@@ -264,5 +264,15 @@ def same_structure(a: Program, b: Program) -> bool:
                   for x, y in zip(a.eqns, b.eqns)))
 
 
+def first_difference(a: Program, b: Program) -> tuple[Eqn | None, Eqn | None]:
+  """The first equations where two traces part (None past a program's end): the place a
+  branch taken on the batch's size sends the smaller trace elsewhere."""
+  for x, y in zip(a.eqns, b.eqns):
+    if x.primitive is not y.primitive or len(x.outvars) != len(y.outvars):
+      return x, y
+  n = min(len(a.eqns), len(b.eqns))
+  return (a.eqns[n] if n < len(a.eqns) else None, b.eqns[n] if n < len(b.eqns) else None)
+
+
 def avals(atoms) -> list[Any]:
   return [jax.typeof(read(v, {})) if not is_var(v) else v.aval for v in atoms]

@@ -64,6 +64,11 @@ class MicroProgram:
   given: list  # microbatch slots computed once over the whole batch (hoisted, split)
 
 
+class OnMicrobatch(batch_axis.NotSplittable):
+  """Refused on a microbatch's trace, the whole batch's analysis having split it: a
+  reading of the batch that got this far says more than one refused at the whole batch."""
+
+
 def microbatch_of(x, rows: int, axis: int) -> jax.ShapeDtypeStruct:
   """`x`'s type with `axis` `rows` long (a microbatch's share): its dtype, weak type and,
   where the step is traced under a mesh, its sharding (whose absence would trace otherwise:
@@ -93,22 +98,25 @@ def trace(g: Callable, inputs: tuple, whole: flat.Program, consts, tags: dict, a
   try:
     closed = jax.make_jaxpr(g)(diff, other, shapes)
   except Exception as e:  # pylint: disable=broad-except  (a shape fixed at the batch's size)
-    raise batch_axis.NotSplittable(
+    at = batch_axis.tags.raised_at(e)
+    raise OnMicrobatch(
         f"the loss does not trace on a microbatch of {m} examples ({type(e).__name__}: "
-        f"{str(e).splitlines()[0] if str(e) else ''}); a value sized by the whole batch "
-        f"meets per-example values: an argument not split with it, or an array the loss "
-        f"makes at a size taken outside it (`jax.random.uniform(key, (B, 1))` with B read "
-        f"before the loss: read it from the batch's own shape inside the loss)") from None
+        f"{str(e).splitlines()[0] if str(e) else ''}{' at ' + at if at else ''}); a value "
+        f"sized by the whole batch meets per-example values: an argument not split with "
+        f"it, or an array the loss makes at a size taken outside it "
+        f"(`jax.random.uniform(key, (B, 1))` with B read before the loss, or `lp[:n]` with "
+        f"`n = x.shape[0]` read before it: read it from the batch's own shape inside the "
+        f"loss)") from None
   prog = flat.flatten(closed)
   if not flat.same_structure(whole, prog) or len(closed.consts) != len(consts):
-    raise batch_axis.NotSplittable("the loss traces differently on a microbatch")
+    raise OnMicrobatch(_parted(whole, prog, m, batch))
   slot = {a: b for x, y in zip(whole.eqns, prog.eqns) for a, b in zip(x.outvars, y.outvars)}
   slot.update(zip(whole.invars, prog.invars))
   slot.update(zip(whole.constvars, prog.constvars))
   for v, tag in given.items():
     want = _shrunk(v.aval.shape, tag, k)
     if tuple(slot[v].aval.shape) != want:
-      raise batch_axis.NotSplittable(
+      raise OnMicrobatch(
           f"a value computed once over the whole batch ({v.aval.str_short()}) is "
           f"{slot[v].aval.str_short()} on a microbatch, not {list(want)}: it is sized by the "
           f"whole batch, not by the batch it is computed from")
@@ -126,9 +134,21 @@ def trace(g: Callable, inputs: tuple, whole: flat.Program, consts, tags: dict, a
       continue
     if all(param_free(v) for v in w.outvars):
       raise Hoist(w, check)
-    raise batch_axis.NotSplittable(_refusal(w, u, check))
+    raise OnMicrobatch(_refusal(w, u, check))
   return MicroProgram(closed, prog, slot, micro_frontier, outs, indices,
                       [slot[v] for v in given])
+
+
+def _parted(whole: flat.Program, micro: flat.Program, m: int, batch: int) -> str:
+  """Where the microbatch's trace leaves the whole batch's: Python that branches on the
+  batch's size (`if x.shape[0] > 8`, a loop over its length) or a shape-dependent library
+  path, named by its primitive and line."""
+  w, u = flat.first_difference(whole, micro)
+  at = (f"{batch_axis.where(w)}, where the trace at {m} examples has "
+        f"{u.primitive.name if u is not None else 'nothing'}" if w is not None
+        else f"{batch_axis.where(u)} at {m} examples, past the end of the trace at {batch}")
+  return (f"the loss traces differently on a microbatch of {m} examples than on the batch "
+          f"of {batch}: {at} (Python that branches or loops on the batch's size)")
 
 
 def _shrunk(shape, tag, k: int) -> tuple:
