@@ -1069,10 +1069,6 @@ _tx_inject = optax.inject_hyperparams(optax.adamw)(
     learning_rate=optax.cosine_onecycle_schedule(20, 3e-3), weight_decay=1e-4)
 
 
-class _InjectState(train_state.TrainState):
-  pass
-
-
 def inject_hparams_step(state, x, labels):
   loss, grads = jax.value_and_grad(
       lambda p: _cls_loss(p, x, labels))(state.params)
@@ -1082,7 +1078,7 @@ def inject_hparams_step(state, x, labels):
 
 def inject_hparams_make():
   p = _mlp_params(320, [8, 16, 4])
-  st = _InjectState.create(apply_fn=None, params=p, tx=_tx_inject)
+  st = train_state.TrainState.create(apply_fn=None, params=p, tx=_tx_inject)
   return (st,) + _cls_batch(321)
 
 

@@ -13,16 +13,15 @@ constructor, `guarded_jit`, is `api`'s.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
 from typing import Callable, Hashable
 
 import jax
-from absl import logging
 
 from hbm_guard._src import backend as backend_lib
+from hbm_guard._src import boundary
 from hbm_guard._src import climb as climb_lib
 from hbm_guard._src import compile as compile_lib
 from hbm_guard._src import errors
@@ -36,16 +35,6 @@ from hbm_guard._src import plan_cache as plan_cache_lib
 from hbm_guard._src import record as record_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import tournament as tournament_lib
-
-default_offload_filter = layout_lib.default_offload_filter
-
-try:  # Hide hbm_guard's frames from user tracebacks, as jax hides its own (equinox does too).
-  from jax._src import traceback_util  # pylint: disable=g-import-not-at-top
-  traceback_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
-  _api_boundary = traceback_util.api_boundary
-except (ImportError, AttributeError):  # a private API: without it, tracebacks are longer
-  _api_boundary = lambda fun: fun  # noqa: E731
-
 
 class GuardedFunction:
   """A jitted step that recompiles down the ladder when it does not fit. See guarded_jit."""
@@ -98,16 +87,6 @@ class GuardedFunction:
 
   # -- fitting ----------------------------------------------------------------------------
 
-  def _start(self, nargs: int) -> plan_lib.Plan:
-    """Where a new signature's climb starts: the plan in force (a pinned plan= checked
-    again now that negative argnums resolve), or plain jit when fallback is off."""
-    o = self.options
-    if not (o.auto_fallback or o.plan is not None):
-      return plan_lib.Plan()
-    if o.plan is not None and self._plan is o.plan:
-      return o.trusted(self._plan, nargs=nargs, source="plan=")
-    return self._plan
-
   def _fit(self, key, args, kwargs, failed_run: compile_lib.Trial | None = None
            ) -> steps_lib.PlanJit:
     """Fits one input signature (one at a time); returns the jit that runs it.
@@ -118,12 +97,8 @@ class GuardedFunction:
     with self._lock:
       if key in self._by_signature and failed_run is None:  # fitted by another thread
         return self._by_signature[key]
-      bad = [i for i in self.options.state_argnums if not -len(args) <= i < len(args)]
-      if bad:
-        raise errors.InvalidOptionError(
-            f"hbm_guard: state_argnums {bad} out of range for {len(args)} positional "
-            f"argument(s) of {self._step.name}.")
-      start = self._start(len(args))
+      self._step.check_state_argnums(len(args))
+      start = self.options.start(self._plan, nargs=len(args))
       if failed_run is not None:
         start = failed_run.plan
         self._by_signature.pop(key, None)
@@ -131,45 +106,23 @@ class GuardedFunction:
                         key, args, kwargs)
       self._estimated = None  # a fit that raises compared nothing
       result = fit.run(start, failed_run)
-      compared = self._estimated = keep.compare_estimates(fit, result, self.options,
-                                                          self._step.name)
-      if compared is not None:
-        result = dataclasses.replace(result, plan=compared.winner)
-      entry = self._step.plan_jit(self._backend.runnable(result.plan), args)
-      entry.allowed.add(key)
-      self._by_signature[key] = entry
+      kept = keep.choose(fit, result, self._step, self._backend, self.options, self._ledger,
+                         key, args, kwargs, [e for k, e in self._by_signature.items()
+                                             if k != key],
+                         functools.partial(self._settle, key, fit))
+      self._by_signature[key] = kept.entry
       self._many_plans = len({id(e) for e in self._by_signature.values()}) > 1
-      self._plan, self._hot = result.plan, entry
-      if not self._many_plans:
-        timed = keep.tournament(fit, result, self._step, self._backend, self.options, key,
-                                args, kwargs, functools.partial(self._settle, key, fit))
-        if timed is not None:  # the first steps time rivals, then settle
-          self._hot = timed
-      if compared is not None:
-        self._ledger.write(fit_lib.Status.FITS, final_plan=result.plan,
-                           estimated=compared.to_dict())
-        fit.remember(result.plan, tuple(a.to_dict() for a in self._ledger.attempts))
-      elif len(result.attempts) > 1 or self._ledger.path is not None:
-        self._ledger.write(fit_lib.Status.FITS, final_plan=result.plan)
-      if len(result.attempts) > 1:
-        logging.info("hbm_guard: %s fits with %s after %d compile(s)", self._step.name,
-                     result.plan.describe(), len(result.attempts))
-      return entry
+      self._plan, self._hot, self._estimated = kept.plan, kept.hot, kept.estimated
+      return kept.entry
 
   def _settle(self, key, fit: fit_lib.Fit, entry, outcome: tournament_lib.Outcome):
     """The plan the first steps settled on runs this signature from now on, directly."""
     with self._lock:
       if not isinstance(self._hot, tournament_lib.Tournament):
         return  # another signature was fitted meanwhile: this one keeps its plan
-      winner = entry(outcome.winner)
-      self._by_signature[key] = self._hot = winner
+      self._by_signature[key] = self._hot = entry(outcome.winner)
       self._plan = outcome.winner
-      timed = {"why": outcome.why, "plans": [t.to_dict() for t in outcome.timings]}
-      self._ledger.write(fit_lib.Status.FITS, final_plan=outcome.winner, timed=timed)
-      fit.remember(outcome.winner, tuple(a.to_dict() for a in self._ledger.attempts))
-      logging.info("hbm_guard: %s settles on %s: %s", self._step.name,
-                   outcome.winner.describe(), ", ".join(
-                       f"{t.plan.describe()} {1000 * t.median:.2f} ms" for t in outcome.timings))
+      keep.settled(fit, self._ledger, self._step.name, outcome)
 
   def _first_run(self, entry: steps_lib.PlanJit, key, args, kwargs):
     """The first call of a newly fitted plan: a runtime out-of-memory (a GPU allocating at
@@ -192,7 +145,7 @@ class GuardedFunction:
 
   # -- calling ----------------------------------------------------------------------------
 
-  @_api_boundary
+  @boundary.api_boundary
   def __call__(self, *args, **kwargs):
     if self._many_plans:  # signatures live on several jits: dispatch on the signature
       key = self._step.key(args, kwargs)
@@ -218,9 +171,9 @@ class GuardedFunction:
     """As a method decorator: binds the instance as the first argument (like a function)."""
     if instance is None:
       return self
-    return _Bound(self, instance)
+    return boundary.Bound(self, instance)
 
-  @_api_boundary
+  @boundary.api_boundary
   def fit(self, *args, **kwargs) -> plan_lib.Plan:
     """Finds (and installs) the plan that fits these arguments, without running the step.
     The plan is the one fitted: for a target, with its TPU options."""
@@ -232,33 +185,15 @@ class GuardedFunction:
   def _any_jit(self):
     return self._step.jit(self._backend.runnable(self._plan))
 
-  @_api_boundary
+  @boundary.api_boundary
   def trace(self, *args, **kwargs):
     return self._any_jit().trace(*args, **kwargs)
 
-  @_api_boundary
+  @boundary.api_boundary
   def lower(self, *args, **kwargs):
     """Lowers under the plan in force (like jax.jit(...).lower); call fit() first to climb."""
     return self._any_jit().lower(*args, **kwargs)
 
-  @_api_boundary
+  @boundary.api_boundary
   def eval_shape(self, *args, **kwargs):
     return jax.eval_shape(self._any_jit(), *args, **kwargs)
-
-
-class _Bound:
-  """A GuardedFunction bound to an instance, as a method."""
-
-  def __init__(self, guarded: GuardedFunction, instance):
-    self._guarded, self._instance = guarded, instance
-    functools.update_wrapper(self, guarded._fun)  # pylint: disable=protected-access
-
-  @_api_boundary
-  def __call__(self, *args, **kwargs):
-    return self._guarded(self._instance, *args, **kwargs)
-
-  def __getattr__(self, name):
-    attr = getattr(self._guarded, name)
-    if name in ("fit", "lower", "trace", "eval_shape"):  # each takes the step's arguments
-      return functools.partial(attr, self._instance)
-    return attr

@@ -2,13 +2,14 @@
 time against plans near it (`estimated_rivals`, for a target), or timed against them in the
 first steps (`timed_rivals`: a `tournament.Tournament`, run by the guard as its step).
 
-The guard calls these after a fit; they compile and time through the fit and the backend,
-and return values (an `estimated.Outcome`, a tournament or None): what to install, and
-what to write in the report, is the guard's.
+The guard calls `choose` after a fit: it compiles and times through the fit and the
+backend, writes the report, and returns what to install (a `Kept`); installing it (the
+guard's tables of signatures) is the guard's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -20,11 +21,58 @@ from hbm_guard._src import estimated as estimated_lib
 from hbm_guard._src import fit as fit_lib
 from hbm_guard._src import layout as layout_lib
 from hbm_guard._src import options as options_lib
+from hbm_guard._src import plan as plan_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import record as record_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src import tournament as tournament_lib
 from hbm_guard._src.search import rivals as rivals_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+  """What a fit leaves to install: the plan kept, the jit that runs its signature, what
+  the next call runs (that jit, or a tournament timing rivals), the rivals estimated."""
+  plan: "plan_lib.Plan"
+  entry: steps_lib.PlanJit
+  hot: "steps_lib.PlanJit | tournament_lib.Tournament"
+  estimated: estimated_lib.Outcome | None
+
+
+def choose(fit: fit_lib.Fit, result: climb_lib.Result, step: steps_lib.StepBuilder, backend,
+           options: options_lib.GuardOptions, ledger: fit_lib.Ledger, key, args, kwargs,
+           others: list, settle: Callable) -> Kept:
+  """The plan a fit keeps for signature `key`, its jit, and the report written.
+  `others`: the jits of the signatures fitted before (a tournament only where all share
+  one); `settle(entry_of, outcome)`: installs the plan the first steps settled on."""
+  compared = compare_estimates(fit, result, options, step.name)
+  if compared is not None:
+    result = dataclasses.replace(result, plan=compared.winner)
+  entry = step.plan_jit(backend.runnable(result.plan), args)
+  entry.allowed.add(key)
+  hot = entry
+  if all(e is entry for e in others):
+    hot = tournament(fit, result, step, backend, options, key, args, kwargs, settle) or entry
+  if compared is not None:
+    ledger.write(fit_lib.Status.FITS, final_plan=result.plan, estimated=compared.to_dict())
+    fit.remember(result.plan, tuple(a.to_dict() for a in ledger.attempts))
+  elif len(result.attempts) > 1 or ledger.path is not None:
+    ledger.write(fit_lib.Status.FITS, final_plan=result.plan)
+  if len(result.attempts) > 1:
+    logging.info("hbm_guard: %s fits with %s after %d compile(s)", step.name,
+                 result.plan.describe(), len(result.attempts))
+  return Kept(result.plan, entry, hot, compared)
+
+
+def settled(fit: fit_lib.Fit, ledger: fit_lib.Ledger, name: str,
+            outcome: tournament_lib.Outcome) -> None:
+  """Writes down the plan the first steps settled on: the report, the plan cache, a line."""
+  timed = {"why": outcome.why, "plans": [t.to_dict() for t in outcome.timings]}
+  ledger.write(fit_lib.Status.FITS, final_plan=outcome.winner, timed=timed)
+  fit.remember(outcome.winner, tuple(a.to_dict() for a in ledger.attempts))
+  logging.info("hbm_guard: %s settles on %s: %s", name, outcome.winner.describe(),
+               ", ".join(f"{t.plan.describe()} {1000 * t.median:.2f} ms"
+                         for t in outcome.timings))
 
 
 def compare_estimates(fit: fit_lib.Fit, result: climb_lib.Result,

@@ -310,6 +310,16 @@ class GuardOptions:
     """What goes to `jax.jit` whatever the plan (donation is merged per plan)."""
     return {k: v for k, v in self.jit_kwargs.items() if k != "donate_argnums"}
 
+  def start(self, current: plan_lib.Plan, *, nargs: int) -> plan_lib.Plan:
+    """Where a new signature's climb starts: `current` (the latest fit's plan; the pinned
+    `plan=` checked again now that negative argnums resolve), or plain jit when fallback
+    is off."""
+    if not (self.auto_fallback or self.plan is not None):
+      return plan_lib.Plan()
+    if self.plan is not None and current is self.plan:
+      return self.trusted(current, nargs=nargs, source="plan=")
+    return current
+
   def trusted(self, plan: plan_lib.Plan, *, nargs: int | None, source: str) -> plan_lib.Plan:
     """`plan` if these options allow all of it, else an UntrustedPlanError."""
     return plan_trust.check(plan, rungs=self.ladder, max_class=self.max_class,

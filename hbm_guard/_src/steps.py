@@ -100,6 +100,15 @@ class StepBuilder:
     self._last_traced: tuple[Hashable, Any] | None = None  # (that key, the latest jaxpr)
     self._flops_lock = threading.Lock()
 
+
+  def check_state_argnums(self, nargs: int) -> None:
+    """`state_argnums` in range for a call with `nargs` positional arguments."""
+    bad = [i for i in self.options.state_argnums if not -nargs <= i < nargs]
+    if bad:
+      raise errors.InvalidOptionError(
+          f"hbm_guard: state_argnums {bad} out of range for {nargs} positional "
+          f"argument(s) of {self.name}.")
+
   def static(self, nargs: int) -> tuple[int, ...]:
     return tuple(i % nargs for i in self.options.static_argnums) if nargs else ()
 
