@@ -20,6 +20,7 @@ from hbm_guard._src import options as options_lib
 from hbm_guard._src import planner as planner_lib
 from hbm_guard._src import probing
 from hbm_guard._src import record as record_lib
+from hbm_guard._src import spend as spend_lib
 from hbm_guard._src import steps as steps_lib
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import driver as driver_lib
@@ -543,7 +544,7 @@ def test_where_probes_are_dear_a_fit_races_compiles_at_the_capacity(v5e_devices,
   # compiles its cheapest candidates at the capacity, two at a time, instead of probing.
   # Made dear here by the threshold; the compiler and its verdicts are real.
   monkeypatch.setattr(tuning, "DEAR_COMPILE_SECONDS", 0.0)
-  monkeypatch.setattr(fit_lib, "_probe_workers", lambda: 2)
+  monkeypatch.setattr(spend_lib, "probe_workers", lambda: 2)
   S = jax.ShapeDtypeStruct  # pylint: disable=invalid-name
   w = {"a": S((512, 2048), jnp.float32), "b": S((2048, 512), jnp.float32)}
   batch = {"x": S((4096, 512), jnp.float32), "y": S((4096, 512), jnp.float32)}
@@ -567,7 +568,7 @@ def test_a_race_stops_waiting_at_the_time_budget(v5e_devices, monkeypatch, tmp_p
   # A compile of the race can run far past its estimate (the dearest compile so far: a
   # failed one); the fit stops waiting for it at max_fit_seconds and says so.
   monkeypatch.setattr(tuning, "DEAR_COMPILE_SECONDS", 0.0)
-  monkeypatch.setattr(fit_lib, "_probe_workers", lambda: 2)
+  monkeypatch.setattr(spend_lib, "probe_workers", lambda: 2)
   staged_compile = backend_lib.TargetBackend.staged_compile
   def slow(self, *a):
     run = staged_compile(self, *a)

@@ -87,7 +87,7 @@ def compare_estimates(fit: fit_lib.Fit, result: climb_lib.Result,
 
   def compile_plans(plans):
     out = []
-    for plan, trial in zip(plans, fit.compile_rivals(plans)):
+    for plan, trial in zip(plans, fit.spend.compile_rivals(plans)):
       if trial is None:  # past the time budget
         out.append(None)
         continue
@@ -99,7 +99,7 @@ def compare_estimates(fit: fit_lib.Fit, result: climb_lib.Result,
     return out
   chosen = estimated_lib.Estimated.of(result.plan, result.attempts[-1])
   outcome = estimated_lib.compare(field, chosen, compile_plans, options.estimated_rivals,
-                                  width=fit.rival_width)
+                                  width=fit.spend.rival_width)
   if outcome.winner != result.plan:
     logging.info("hbm_guard: %s: %s in place of %s: %s", name, outcome.winner.describe(),
                  result.plan.describe(), outcome.why)
