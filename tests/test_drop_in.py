@@ -943,11 +943,11 @@ def test_a_loss_that_branches_on_the_batch_size_is_refused_where_it_parts():
   assert _rel(got, jax.jit(step)(w, x)) < 1e-6
 
 
-def test_pairs_sliced_at_a_length_read_outside_the_loss_are_refused_at_their_line():
-  """DPO's `lp[:n] - lp[n:]` with `n = chosen.shape[0]` read before the loss: on a microbatch
-  `n` is still the batch's. The batch in segments is the reading that finds it; the user is
-  told that reading's refusal (read n inside the loss) at the slice's line, not the first
-  reading's "takes part of the batch axis"."""
+def test_pairs_sliced_at_a_length_read_outside_the_loss_split_exactly():
+  """DPO's `lp[:n] - lp[n:]` with `n = chosen.shape[0]` read before the loss: on a
+  microbatch the loss alone still slices at the batch's n (refused before, "takes part of
+  the batch axis"). The step is traced again at a microbatch's shapes and the loss taken
+  where it calls the gradient: n is the microbatch's there."""
   def step(w, chosen, rejected):
     both = jnp.concatenate([chosen, rejected])
     n = chosen.shape[0]
@@ -962,6 +962,45 @@ def test_pairs_sliced_at_a_length_read_outside_the_loss_are_refused_at_their_lin
   jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, chosen, rejected)
   got = jitted(w, chosen, rejected)
   (fact,) = facts.values()
-  assert "read it from the batch's own shape inside the loss" in fact.auto_refused
-  assert "test_drop_in.py" in fact.auto_refused
+  assert fact.auto_refused is None and "2 segments" in fact.auto and "(exact)" in fact.auto
   assert _rel(got, jax.jit(step)(w, chosen, rejected)) < 1e-6
+
+
+def test_pairs_reshaped_by_sizes_read_before_the_loss_split_exactly():
+  """`b, _, t = pairs.shape` at the top of the step, `pairs.reshape(2 * b, t)` in the loss
+  (a reward model's pairs stacked on axis 1), with a second gradient before it: the
+  second trace takes the loss at the same call."""
+  def step(w, pairs):
+    b, _, t = pairs.shape
+    _, g0 = jax.value_and_grad(lambda w: jnp.sum(w ** 2))(w)
+    def loss_fn(w):
+      r = jnp.tanh(pairs.reshape(2 * b, t) @ w).sum(-1).reshape(b, 2)
+      return -jnp.mean(jax.nn.log_sigmoid(r[:, 0] - r[:, 1]))
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * (g + 0.01 * g0), loss
+
+  w, pairs = jnp.ones((8, 4)) / 8, jnp.arange(256.0).reshape(16, 2, 8) / 256
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, pairs)
+  got = jitted(w, pairs)
+  (fact,) = facts.values()
+  assert fact.auto_refused is None and "(exact)" in fact.auto
+  assert _rel(got, jax.jit(step)(w, pairs)) < 1e-6
+
+
+def test_an_array_sized_by_the_batch_outside_the_step_is_refused_at_its_line():
+  """Noise drawn at a size fixed before the step (16): neither the loss alone nor the step
+  traced again traces on a microbatch; the refusal names the user's line."""
+  def step(w, x, key):
+    def loss_fn(w):
+      noise = jax.random.normal(key, (16, 1))
+      return jnp.sum((x @ w + noise) ** 2)
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.01 * g, loss
+
+  w, x, key = jnp.ones((8, 4)) / 8, jnp.arange(128.0).reshape(16, 8) / 128, jax.random.key(0)
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, x, key)
+  got = jitted(w, x, key)
+  (fact,) = facts.values()
+  assert "does not trace on a microbatch" in fact.auto_refused
+  assert "test_drop_in.py" in fact.auto_refused.split("does not trace", 1)[1]
+  assert _rel(got, jax.jit(step)(w, x, key)) < 1e-6

@@ -41,6 +41,13 @@ class Traced:
   prog: flat.Program | None = None
   state_ids: frozenset[int] = frozenset()  # the step's state leaves: never the batch
   axes: tuple[int, ...] = ()  # per batch value (`inputs()[2]`): the axis holding the batch
+  # where `captured` sit among the arrays of the step's trace the loss closes over (how
+  # many), to take them at the same places from another trace of the step
+  captured_at: tuple[int, ...] = ()
+  n_closure: int = 0
+  # The loss traced again from the step's own call at a microbatch of 1/k of the batch
+  # (`again(k)`: a Traced, or NotSplittable), where the step gives one (`intercept`).
+  again: Callable[[int], "Traced"] | None = None
 
   @property
   def n_diff(self) -> int:
@@ -85,18 +92,41 @@ def trace(fun, argnums, args, kwargs, ctx: Context) -> Traced:
   treedef = jax.tree_util.tree_structure((args, kwargs))
   explicit = {id(x) for x in leaves}
   anyway = dataclasses.replace(ctx, inputs_only=False)
-  sized = [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer)
-                                   and anyway.is_batch(x)) if id(x) not in explicit]
+  tracers = _closed_over(fun, explicit)
+  sized = [x for x in tracers if anyway.is_batch(x)]
   captured = [x for x in sized if ctx.is_batch(x)]
   # batch-sized values this reading takes as not the batch: constants of the loss
   not_batch = frozenset(id(x) for x in sized if not ctx.is_batch(x))
   batch = [x for x, k in zip(leaves, kinds) if k == "batch"] + captured
+  at = {id(x): i for i, x in enumerate(tracers)}
   t = Traced(fun, diff, leaves, treedef, kinds, captured, [],
              state_ids=ctx.state_ids | ctx.apart_ids | not_batch,
-             axes=tuple(ctx.batch_axis_of(x) for x in batch))
+             axes=tuple(ctx.batch_axis_of(x) for x in batch),
+             captured_at=tuple(at[id(x)] for x in captured), n_closure=len(tracers))
   t.closed = jax.make_jaxpr(t.g)(*t.inputs())
   t.prog = flat.flatten(t.closed)
   return t
+
+
+def trace_like(t: Traced, fun, args, kwargs) -> Traced:
+  """The loss of `t` as another trace of the step calls it (at a microbatch's shapes):
+  its inputs taken where `t` took them. Raises ValueError where the call differs."""
+  leaves = jax.tree.leaves((args, kwargs))
+  treedef = jax.tree_util.tree_structure((args, kwargs))
+  tracers = _closed_over(fun, {id(x) for x in leaves})
+  if treedef != t.treedef or len(tracers) != t.n_closure:
+    raise ValueError("the step calls its gradient with other arguments on a microbatch")
+  u = Traced(fun, t.diff, leaves, treedef, list(t.kinds), [tracers[i] for i in t.captured_at],
+             [], state_ids=t.state_ids, axes=t.axes)
+  u.closed = jax.make_jaxpr(u.g)(*u.inputs())
+  u.prog = flat.flatten(u.closed)
+  return u
+
+
+def _closed_over(fun, explicit: set) -> list:
+  """The traced arrays `fun` closes over (not among its arguments), in a stable order."""
+  return [x for x in closure.find(fun, lambda x: isinstance(x, jax.core.Tracer))
+          if id(x) not in explicit]
 
 
 def _kind(x, ctx: Context) -> str:

@@ -21,6 +21,14 @@ from hbm_guard._src import layout as layout_lib
 
 
 @dataclasses.dataclass(frozen=True)
+class StepCall:
+  """The step as the guard's trace calls it (`run(*args, **kwargs)`), with those arguments."""
+  run: Callable
+  args: tuple
+  kwargs: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class Context:
   """What the guard's trace knows of the step's arguments."""
   batch_size: int | None  # the commonest leading size of the step's non-state arguments
@@ -46,6 +54,9 @@ class Context:
   # (pairs stored as halves, `[a_1..a_n, b_1..b_n]`), not as m rows per example, examples
   # major (five captions per image).
   segment_major: bool = False
+  # The step's own call being traced, to trace it again at a microbatch's shapes where the
+  # loss alone cannot be (sizes the step read before the loss: `b, t = x.shape`).
+  step_call: "StepCall | None" = dataclasses.field(default=None, compare=False, repr=False)
 
   def constraint(self, tags: dict) -> Callable[[Any, Any], Any] | None:
     """Keeps per-example values sharded on their batch axis (data parallel), so the

@@ -36,6 +36,7 @@ from hbm_guard._src import loss_split
 from hbm_guard._src import micro_program
 from hbm_guard._src import microbatch
 from hbm_guard._src import plan as plan_lib
+from hbm_guard._src import retrace
 from hbm_guard._src import swap
 
 # A failure inside the analysis or the rewrite is a bug of the guard's: where set (the
@@ -44,6 +45,8 @@ RAISE_INTERNAL = os.environ.get("HBM_GUARD_RAISE_INTERNAL") == "1"
 INTERNAL_ERROR = "a bug in hbm_guard"
 _ACTIVE: contextvars.ContextVar[batch_context.Context | None] = contextvars.ContextVar(
     "hbm_guard_auto", default=None)
+_CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "hbm_guard_gradient_calls", default=None)  # the step's gradient calls so far
 _SWAP = swap.WhileTracing()
 _ORIGINAL = {"value_and_grad": jax.value_and_grad, "grad": jax.grad}
 try:  # where jax's value_and_grad_f finds `vjp` (a global of its module, read at each call)
@@ -110,7 +113,7 @@ def intercepting(ctx: batch_context.Context | None) -> Iterator[None]:
   if not FOLLOWING.bound_names and not _SAID:
     _SAID.append(True)
     logging.warning("hbm_guard: %s", FOLLOWING.message())
-  token = _ACTIVE.set(ctx)
+  token, calls = _ACTIVE.set(ctx), _CALLS.set([0])
   try:
     with _SWAP.swapped(jax, {"value_and_grad": _value_and_grad, "grad": _grad}), (
         _API_SWAP.swapped(_jax_api, {"vjp": _vjp}) if _FOLLOW_BOUND
@@ -118,6 +121,21 @@ def intercepting(ctx: batch_context.Context | None) -> Iterator[None]:
       yield
   finally:
     _ACTIVE.reset(token)
+    _CALLS.reset(calls)
+
+
+def _tracing() -> bool:
+  """Whether a guard's trace (or the step's second trace, `retrace`) is in progress."""
+  return _ACTIVE.get() is not None or retrace.capturing() is not None
+
+
+def _call_number() -> int:
+  """This gradient call's number among the step's (from 0), counted."""
+  calls = _CALLS.get()
+  if calls is None:
+    return 0
+  calls[0] += 1
+  return calls[0] - 1
 
 
 @contextlib.contextmanager
@@ -133,7 +151,7 @@ def suspended() -> Iterator[None]:
 @functools.wraps(_ORIGINAL["value_and_grad"])
 def _value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
   own = _ORIGINAL["value_and_grad"](fun, argnums, has_aux=has_aux, **kw)
-  if _ACTIVE.get() is None:
+  if not _tracing():
     return own
   own_only = [k for k in ("holomorphic", "allow_int", "reduce_axes") if kw.get(k)]
   if own_only:
@@ -141,11 +159,15 @@ def _value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
 
   @functools.wraps(fun)
   def value_and_grad_f(*args, **kwargs):
+    capture = retrace.capturing()
+    if capture is not None:
+      return capture.reached(fun, args, kwargs, own)
     ctx = _ACTIVE.get()
     if ctx is None:
       return own(*args, **kwargs)
+    index = _call_number()
     with suspended():
-      return _guarded(fun, argnums, has_aux, args, kwargs, ctx, own)
+      return _guarded(fun, argnums, has_aux, args, kwargs, ctx, own, index)
   return value_and_grad_f
 
 
@@ -154,8 +176,11 @@ def _as_jax_own(fun: Callable, own: Callable, why: list[str]) -> Callable:
   with these options (they behave exactly as under jax.jit)."""
   @functools.wraps(fun)
   def noted(*args, **kwargs):
-    ctx = _ACTIVE.get()
-    if ctx is not None:
+    ctx, capture = _ACTIVE.get(), retrace.capturing()
+    if capture is not None:
+      capture.skip()
+    elif ctx is not None:
+      _call_number()
       _note(Found(_name(fun, ctx), (), None, f"taken with {', '.join(why)}=True: jax's own "
                   f"gradient, not split", None))
     return own(*args, **kwargs)
@@ -164,7 +189,7 @@ def _as_jax_own(fun: Callable, own: Callable, why: list[str]) -> Callable:
 
 @functools.wraps(_ORIGINAL["grad"])
 def _grad(fun: Callable, argnums=0, has_aux: bool = False, **kw):
-  if _ACTIVE.get() is None:
+  if not _tracing():
     return _ORIGINAL["grad"](fun, argnums, has_aux=has_aux, **kw)
   vg = _value_and_grad(fun, argnums, has_aux=has_aux, **kw)
 
@@ -181,7 +206,7 @@ def _vjp(fun: Callable, *primals, **kw):
   frame: the user's function, argnums, arguments) is then the intercepted one's."""
   own = _API_SWAP.original("vjp")
   caller = sys._getframe(1)  # pylint: disable=protected-access
-  if _ACTIVE.get() is None or caller.f_code is not _VALUE_AND_GRAD_F:
+  if not _tracing() or caller.f_code is not _VALUE_AND_GRAD_F:
     return own(fun, *primals, **kw)
   try:
     call = caller.f_locals
@@ -189,6 +214,8 @@ def _vjp(fun: Callable, *primals, **kw):
     args, kwargs = call["args"], call["kwargs"]
     own_only = call["holomorphic"] or call["allow_int"]
   except KeyError as e:  # (jax renamed one: its own gradient, and said)
+    if retrace.capturing() is not None:
+      return own(fun, *primals, **kw)
     _note(Found("value_and_grad", (), None, Following(False, f"its frame has no {e}")
                 .message(), None))
     return own(fun, *primals, **kw)
@@ -220,14 +247,16 @@ class Found:
     return "; ".join(parts)
 
 
-def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, own):
-  """The gradient under the plan in force; jax's own where nothing applies."""
+def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, own,
+             index: int = 0):
+  """The gradient under the plan in force (the step's `index`th gradient call); jax's own
+  where nothing applies."""
   before = plan_lib.reads_now()
   differentiated = [x for i in auto_grad.normalized_argnums(argnums, len(args))
                     if i < len(args) for x in jax.tree.leaves(args[i])]
   whole, ctx = ctx, ctx.beside(differentiated)
   try:
-    t = auto_grad.trace(fun, argnums, args, kwargs, ctx)
+    t = _trace(fun, argnums, args, kwargs, ctx, index)
   except Exception as e:  # pylint: disable=broad-except  (then jax's own, which raises its own)
     _note(Found(_name(fun, ctx), (), None, f"the loss could not be traced alone ({e!r:.120})",
                 None))
@@ -242,10 +271,10 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
     refused = None if branches else why if why and "`cond`" in refused else refused
   if refused is not None:
     ctx, t, split, refused = _other_readings(fun, argnums, args, kwargs, whole, differentiated,
-                                             ctx, t, refused)
+                                             ctx, t, refused, index)
   elif _uneven(ctx.batch_size):  # a reading whose count divides (the batch on a later axis)
     other = _other_readings(fun, argnums, args, kwargs, whole, differentiated, ctx, t,
-                            f"the batch of {ctx.batch_size} does not split evenly")
+                            f"the batch of {ctx.batch_size} does not split evenly", index)
     if other[2] is not None and not _uneven(other[0].batch_size):
       (ctx, t, split, refused), branches = other, None
   batch = ctx.batch_size
@@ -308,8 +337,18 @@ def _uneven(batch: int | None) -> bool:
 _MAX_READINGS = 10  # readings of which arguments hold the batch, tried in turn
 
 
+def _trace(fun, argnums, args, kwargs, reading: batch_context.Context, index: int
+           ) -> auto_grad.Traced:
+  """The loss traced alone at the whole batch as `reading` reads it, with how to trace it
+  again through the step at a microbatch (`retrace`)."""
+  t = auto_grad.trace(fun, argnums, args, kwargs, reading)
+  t.again = retrace.again(reading, index, t)
+  return t
+
+
 def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, differentiated,
-                    ctx: batch_context.Context, t: auto_grad.Traced, refused: str):
+                    ctx: batch_context.Context, t: auto_grad.Traced, refused: str,
+                    index: int = 0):
   """Where the batch as first read is refused, the other readings of where it is, in turn:
   on first axes alone (as it was read before batches on other axes), each leaf on its own
   (a class table beside the batch in one tuple), the batch only in the step's own arrays
@@ -337,7 +376,7 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   reported, uneven, further = (ctx, t, None, refused), None, None
   for other in readings[:_MAX_READINGS]:
     try:
-      t1 = auto_grad.trace(fun, argnums, args, kwargs, other)
+      t1 = _trace(fun, argnums, args, kwargs, other, index)
     except Exception:  # pylint: disable=broad-except  (the refusal above stands)
       continue
     if other in apart and _reworked(t1, apart[other]):

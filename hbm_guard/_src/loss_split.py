@@ -171,7 +171,7 @@ def analyse(t: Traced, batch: int, k: int = 1) -> Split:
           t.g, t.inputs(), prog, t.closed.consts, tags, t.axes,
           list(dict.fromkeys([*frontier, *stage_sums])), batched_outs,
           {**{v: None for v in hoisted | staged}, **shared}, batch, k, param_free,
-          frozenset(own_index))
+          frozenset(own_index), again=t.again)
       break
     except micro_program.Hoist as h:
       if all(v in given for v in h.eqn.outvars):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Callable
 
 import jax
@@ -69,6 +70,14 @@ class OnMicrobatch(batch_axis.NotSplittable):
   reading of the batch that got this far says more than one refused at the whole batch."""
 
 
+def abstract_of(x) -> jax.ShapeDtypeStruct:
+  """`x`'s type as it is (its dtype, weak type and sharding, as `microbatch_of` keeps)."""
+  if not getattr(x, "shape", ()):
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct((), x.dtype, weak_type=getattr(aval, "weak_type", False))
+  return microbatch_of(x, x.shape[0], 0)
+
+
 def microbatch_of(x, rows: int, axis: int) -> jax.ShapeDtypeStruct:
   """`x`'s type with `axis` `rows` long (a microbatch's share): its dtype, weak type and,
   where the step is traced under a mesh, its sharding (whose absence would trace otherwise:
@@ -84,13 +93,31 @@ def microbatch_of(x, rows: int, axis: int) -> jax.ShapeDtypeStruct:
 
 def trace(g: Callable, inputs: tuple, whole: flat.Program, consts, tags: dict, axes,
           frontier, batched_outs, given: dict, batch: int, k: int,
-          param_free: Callable[[Any], bool], own_index: frozenset = frozenset()
-          ) -> MicroProgram:
+          param_free: Callable[[Any], bool], own_index: frozenset = frozenset(),
+          again: Callable[[int], Any] | None = None) -> MicroProgram:
   """Traces `g(diff, other, batch values)` at a microbatch of `batch // k` examples and holds
   it against `whole`; raises NotSplittable, or `Hoist` for a parameter-free equation.
   `given`: whole-batch slots computed once over the whole batch (their tag, or None);
   `own_index`: an iota's values that index each example's own row (counted per microbatch,
-  with the microbatch's size where the whole counts the batch's)."""
+  with the microbatch's size where the whole counts the batch's); `again(k)`: the loss
+  traced again from the step's own call at a microbatch's shapes, tried where the loss
+  alone does not trace there as it does at the whole batch (sizes read before the loss)."""
+  held = functools.partial(_held, whole=whole, tags=tags, frontier=frontier,
+                           batched_outs=batched_outs, given=given, k=k,
+                           param_free=param_free, own_index=own_index)
+  try:
+    return held(*_alone(g, inputs, whole, consts, axes, batch, k))
+  except OnMicrobatch as refused:
+    if again is None:
+      raise
+    try:
+      return held(*_through_the_step(again, whole, consts, inputs, tags, k))
+    except OnMicrobatch:
+      raise refused from None
+
+
+def _alone(g: Callable, inputs: tuple, whole: flat.Program, consts, axes, batch: int, k: int):
+  """The loss alone traced at a microbatch's shapes: (program, closed jaxpr)."""
   m = batch // k
   diff, other, batch_vals = inputs
   axes = [a.axis if isinstance(a, batch_axis.Batched) else a for a in axes]
@@ -110,6 +137,31 @@ def trace(g: Callable, inputs: tuple, whole: flat.Program, consts, tags: dict, a
   prog = flat.flatten(closed)
   if not flat.same_structure(whole, prog) or len(closed.consts) != len(consts):
     raise OnMicrobatch(_parted(whole, prog, m, batch))
+  return prog, closed
+
+
+def _through_the_step(again: Callable[[int], Any], whole: flat.Program, consts, inputs,
+                      tags: dict, k: int):
+  """The loss as the step traced again at a microbatch's shapes calls it: (program,
+  closed jaxpr with the whole trace's constants). Its inputs must be the whole batch's,
+  the batch's shrunk, its constants the same, else OnMicrobatch."""
+  try:
+    closed = again(k).closed
+  except Exception as e:  # pylint: disable=broad-except  (the step does not trace there)
+    raise OnMicrobatch(f"the step does not trace on a microbatch ({type(e).__name__})") from None
+  prog = flat.flatten(closed)
+  if (not flat.same_structure(whole, prog) or len(closed.consts) != len(consts)
+      or len(prog.invars) != len(whole.invars)
+      or [v.aval for v in whole.constvars] != [v.aval for v in prog.constvars]
+      or any(tuple(u.aval.shape) != _shrunk(v.aval.shape, tags.get(v), k)
+             or u.aval.dtype != v.aval.dtype for v, u in zip(whole.invars, prog.invars))):
+    raise OnMicrobatch("the step traced on a microbatch calls the loss otherwise")
+  return prog, closed.replace(consts=list(consts))
+
+
+def _held(prog: flat.Program, closed, *, whole: flat.Program, tags: dict, frontier,
+          batched_outs, given: dict, k: int, param_free, own_index) -> MicroProgram:
+  """The microbatch's program held against the whole's, equation by equation."""
   slot = {a: b for x, y in zip(whole.eqns, prog.eqns) for a, b in zip(x.outvars, y.outvars)}
   slot.update(zip(whole.invars, prog.invars))
   slot.update(zip(whole.constvars, prog.constvars))

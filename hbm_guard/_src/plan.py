@@ -225,6 +225,12 @@ def peek(field: str) -> Any:
   return getattr(Plan() if scope is None else scope.plan, field)
 
 
+def peek_plan() -> Plan:
+  """The plan in force, not recorded as read (the guard's own bookkeeping, as `peek`)."""
+  scope = _SCOPE.get()
+  return Plan() if scope is None else scope.plan
+
+
 def reads_now() -> frozenset[str]:
   """The plan fields read so far in this trace (empty outside a guard)."""
   scope = _SCOPE.get()

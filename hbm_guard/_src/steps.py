@@ -144,21 +144,22 @@ class StepBuilder:
   def _traced(self, plan: plan_lib.Plan, allowed, facts, mesh=None):
     fun, state_argnums = self.fun, self.options.state_argnums
 
+    def run(*args, **kwargs):  # the optax update of an unmodified step follows the offload rung
+      aware, originals = auto_offload.wrap_states(args, state_argnums)
+      with auto_offload.nnx_optimizers():
+        return auto_offload.restore_states(fun(*aware, **kwargs), originals)
+
     @functools.wraps(fun)
     def traced(*args, **kwargs):
       key = self.key(args, kwargs)
       if allowed is not None and key not in allowed:
         raise NewSignature(key)
-      auto = batch_context.Context.from_args(
-          args, kwargs, state_argnums, self.static(len(args)), self.name,
-          mesh) if self.options.auto_plan_aware else None
+      auto = dataclasses.replace(batch_context.Context.from_args(
+          args, kwargs, state_argnums, self.static(len(args)), self.name, mesh),
+          step_call=batch_context.StepCall(run, args, kwargs)
+      ) if self.options.auto_plan_aware else None
       with plan_lib.plan_scope(plan) as scope, intercept.intercepting(auto):
-        if auto is None:
-          out = fun(*args, **kwargs)
-        else:  # the optax update of an unmodified step follows the offload rung
-          aware, originals = auto_offload.wrap_states(args, state_argnums)
-          with auto_offload.nnx_optimizers():
-            out = auto_offload.restore_states(fun(*aware, **kwargs), originals)
+        out = fun(*args, **kwargs) if auto is None else run(*args, **kwargs)
       notes = scope.notes
       facts[key] = compile_lib.TraceFacts(
           reads=frozenset(scope.reads), replaced=trace_lib.replaced_state(args, out, state_argnums),
