@@ -199,8 +199,11 @@ def _parted(whole: flat.Program, micro: flat.Program, m: int, batch: int) -> str
   at = (f"{batch_axis.where(w)}, where the trace at {m} examples has "
         f"{u.primitive.name if u is not None else 'nothing'}" if w is not None
         else f"{batch_axis.where(u)} at {m} examples, past the end of the trace at {batch}")
+  why = ("jax's own functions skip work on an axis of length 1, as `take_along_axis` does: "
+         "a count that leaves 2 or more examples a microbatch" if m == 1
+         else "Python that branches or loops on the batch's size")
   return (f"the loss traces differently on a microbatch of {m} examples than on the batch "
-          f"of {batch}: {at} (Python that branches or loops on the batch's size)")
+          f"of {batch}: {at} ({why})")
 
 
 def _shrunk(shape, tag, k: int) -> tuple:

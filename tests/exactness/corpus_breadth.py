@@ -249,6 +249,64 @@ def _():
   return sgd(loss), lambda: (mlp_params(), _x(44), _x(45))
 
 
+# --------------------------------------------------- sizes the step read before the loss
+@case("dpo_n_read_before_the_loss", expect_split=True)
+def _():
+  def step(p, chosen, rejected, ref_chosen, ref_rejected):
+    both, n = jnp.concatenate([chosen, rejected]), chosen.shape[0]  # n: the batch's
+
+    def loss(p):
+      logp = jnp.sum(jax.nn.log_softmax(mlp(p, both)), -1)
+      margin = (logp[:n] - ref_chosen) - (logp[n:] - ref_rejected)
+      return -jax.nn.log_sigmoid(0.1 * margin).mean()
+    value, g = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), {"loss": value}
+  return step, lambda: (mlp_params(), _x(46), _x(47), _normal(48, (B,), 1.0),
+                        _normal(49, (B,), 1.0))
+
+
+@case("pairs_reshaped_by_the_steps_sizes", expect_split=True)
+def _():
+  def step(p, pairs):
+    b, two, d = pairs.shape
+
+    def loss(p):
+      r = jnp.sum(mlp(p, pairs.reshape(two * b, d)), -1).reshape(b, two)
+      return -jnp.mean(jax.nn.log_sigmoid(r[:, 0] - r[:, 1]))
+    value, g = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), {"loss": value}
+  return step, lambda: (mlp_params(), _normal(50, (B, 2, D), 1.0))
+
+
+@case("labels_broadcast_to_the_steps_sizes", expect_split=True)
+def _():
+  def step(p, x):
+    b, c = x.shape[0], C
+
+    def loss(p):
+      labels = jnp.broadcast_to(jnp.arange(c)[None, :] % 2, (b, c))  # as long as the batch
+      return jnp.mean((mlp(p, x) - labels) ** 2)
+    value, g = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), {"loss": value}
+  return step, lambda: (mlp_params(), _x(51))
+
+
+@case("size_read_before_the_loss_divides_each_example", expect_split=False)
+def _():
+  # `(l / b).sum()` is exact only at b: traced again at a microbatch it would divide by the
+  # microbatch's size (refused: "uses the batch size as a number"); the reshape by b makes
+  # the loss alone not trace on a microbatch, so the second trace is the one held
+  def step(p, pairs):
+    b, two, d = pairs.shape
+
+    def loss(p):
+      r = jnp.sum(mlp(p, pairs.reshape(two * b, d)), -1).reshape(b, two)
+      return jnp.sum(jax.nn.softplus(r[:, 1] - r[:, 0]) / b)
+    value, g = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), {"loss": value}
+  return step, lambda: (mlp_params(), _normal(52, (B, 2, D), 1.0))
+
+
 # ----------------------------------------------------------------------- less common shapes
 @case("per_example_keys", expect_split=True)
 def _():
