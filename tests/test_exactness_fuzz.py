@@ -30,7 +30,8 @@ _COND_PROGRAMS = st.builds(programs.Program, _OPS, st.sampled_from(sorted(progra
 _TOKEN_OPS = st.lists(st.sampled_from(sorted(token_programs.OPS)), max_size=3).map(tuple)
 _TOKEN_PROGRAMS = st.builds(token_programs.TokenProgram, _TOKEN_OPS,
                             st.sampled_from(sorted(token_programs.REDUCTIONS)),
-                            st.sampled_from((2, 4, 8)), st.booleans(), st.booleans())
+                            st.sampled_from((2, 4, 8)), st.booleans(), st.booleans(),
+                            st.booleans())
 
 
 def _holds(verdict: programs.Verdict) -> None:
@@ -109,7 +110,22 @@ def test_every_token_op_alone_is_split_exactly_or_refused():
       assert verdict.split, (name, verdict.refused)
 
 
-_TOKEN_REFUSED = frozenset({"batch_size_number"})  # x / n on values of the parameters
+_TOKEN_REFUSED = frozenset({"batch_size_number", "divided_by_b"})  # x / n, per example
+
+
+def test_token_ops_at_a_size_the_step_read_before_the_loss_split_through_the_step():
+  """The batch's size read by the step, the loss closing over it: views cut at it and
+  reshapes by it split (the step traced again at a microbatch); `h / b` alone splits (the
+  loss alone traces, b the batch's in both), beside a reshape by b it is refused (traced
+  again, b would be the microbatch's: a number in per-example work)."""
+  for name in ("views_at_b", "merged_at_b", "divided_by_b"):
+    verdict = programs.judge(token_programs.TokenProgram((name,), "token_ce", 4, outside=True))
+    _holds(verdict)
+    assert verdict.split, (name, verdict.refused)
+  verdict = programs.judge(token_programs.TokenProgram(("merged_at_b", "divided_by_b"),
+                                                       "token_ce", 4, outside=True))
+  _holds(verdict)
+  assert not verdict.split and "batch size as a number" in verdict.refused, verdict.refused
 
 
 def test_every_token_reduction_splits():

@@ -111,9 +111,10 @@ def trace(g: Callable, inputs: tuple, whole: flat.Program, consts, tags: dict, a
     if again is None:
       raise
     try:
-      return held(*_through_the_step(again, whole, consts, inputs, tags, k))
+      prog, closed = _through_the_step(again, whole, consts, inputs, tags, k)
     except OnMicrobatch:
       raise refused from None
+    return held(prog, closed)  # (held there, its own refusal names the equation)
 
 
 def _alone(g: Callable, inputs: tuple, whole: flat.Program, consts, axes, batch: int, k: int):

@@ -66,6 +66,18 @@ def _ones_2b(h, c):
   return both[:n] + both[n:]
 
 
+def _views_at_b(h, c):
+  """Two views cut back at `c["b"]`: the batch's size, read before the loss where the
+  program's step reads it there (`outside`)."""
+  both = jnp.concatenate([h, jnp.tanh(h)], axis=0)
+  return both[:c["b"]] - 0.5 * both[c["b"]:]
+
+
+def _merged_at_b(h, c):
+  t = jnp.tanh(h.reshape(c["b"] * h.shape[1], h.shape[2]))
+  return t.reshape(c["b"], h.shape[1], h.shape[2]) + h
+
+
 def _time_major_weights(h, c):
   t = jnp.swapaxes(h, 0, 1).reshape(-1, h.shape[-1])  # [L * B]: the batch minor
   t = t * (1.0 + jnp.arange(t.shape[0]) % 2)[:, None]
@@ -86,6 +98,9 @@ OPS = {
     "segments_views": _views,
     "segments_ones_2b": _ones_2b,
     "batch_size_number": lambda h, c: h / h.shape[0],
+    "views_at_b": _views_at_b,
+    "merged_at_b": _merged_at_b,
+    "divided_by_b": lambda h, c: h / c["b"],
     "checkpointed": lambda h, c: jax.checkpoint(lambda z: jnp.tanh(z) * 2.0)(h),
     "checkpoint_dots": lambda h, c: jax.checkpoint(
         lambda z: jnp.tanh(z @ c["p"]["m"]),
@@ -132,9 +147,11 @@ class TokenProgram:
   k: int
   aux: bool = False  # returns per-example values beside the loss (has_aux)
   tupled: bool = False  # the batch as one tuple (x, y, mask, table)
+  outside: bool = False  # the step reads the batch's size before the loss (`b`)
 
-  def loss(self, p, x, y, mask, table, n):
-    c = {"x": x, "y": y, "mask": mask, "table": table, "n": n, "p": p}
+  def loss(self, p, x, y, mask, table, n, b=None):
+    c = {"x": x, "y": y, "mask": mask, "table": table, "n": n, "p": p,
+         "b": x.shape[0] if b is None else b}
     h = jnp.tanh(x @ p["w"])
     for name in self.ops:
       h = OPS[name](h, c)
@@ -147,6 +164,10 @@ class TokenProgram:
         (x, y, mask, table), n = batch
         loss_fn = lambda p, b, n: self.loss(p, *b, n)  # noqa: E731
         out, g = jax.value_and_grad(loss_fn, has_aux=self.aux)(params, (x, y, mask, table), n)
+      elif self.outside:  # the size read here, the batch closed over
+        b = batch[0].shape[0]
+        loss_fn = lambda p: self.loss(p, *batch, b=b)  # noqa: E731
+        out, g = jax.value_and_grad(loss_fn, has_aux=self.aux)(params)
       else:
         out, g = jax.value_and_grad(self.loss, has_aux=self.aux)(params, *batch)
       loss = out[0] if self.aux else out
@@ -169,11 +190,13 @@ class TokenProgram:
         return params, (x, y, mask, table), n
       return params, x, y, mask, table, n
     name = " ".join(self.ops) + f" | {self.reduction} | k={self.k}" + (
-        " | aux" if self.aux else "") + (" | tupled" if self.tupled else "")
+        " | aux" if self.aux else "") + (" | tupled" if self.tupled else "") + (
+            " | outside" if self.outside else "")
     return harness.Case(name, step, make)
 
 
 def random_program(rng: random.Random, max_ops: int = 4) -> TokenProgram:
   ops = tuple(rng.choice(sorted(OPS)) for _ in range(rng.randint(0, max_ops)))
-  return TokenProgram(ops, rng.choice(sorted(REDUCTIONS)), rng.choice((2, 4, B)),
-                      rng.random() < 0.25, rng.random() < 0.25)
+  aux, tupled, outside = rng.random() < 0.25, rng.random() < 0.25, rng.random() < 0.25
+  return TokenProgram(ops, rng.choice(sorted(REDUCTIONS)), rng.choice((2, 4, B)), aux,
+                      tupled, outside and not tupled)
