@@ -1004,3 +1004,28 @@ def test_an_array_sized_by_the_batch_outside_the_step_is_refused_at_its_line():
   assert "does not trace on a microbatch" in fact.auto_refused
   assert "test_drop_in.py" in fact.auto_refused.split("does not trace", 1)[1]
   assert _rel(got, jax.jit(step)(w, x, key)) < 1e-6
+
+
+def test_unlabeled_examples_twice_the_labeled_split_with_them():
+  """FixMatch: one batch dict of 8 labeled examples of 8 features and 16 unlabeled. The
+  unlabeled `[16, 8]` was read with the batch on its features (its only axis of length 8)
+  and the loss did not trace on a microbatch (on first axes alone the dict is not all
+  batch); read as two rows per example (examples major), each microbatch takes 2 labeled
+  and 4 unlabeled examples: the two means are sums."""
+  def step(w, batch):
+    def loss_fn(w):
+      sup = jnp.mean((jnp.tanh(batch["x"] @ w) - batch["y"][:, None]) ** 2)
+      unsup = jnp.mean(jnp.tanh(batch["unlabeled"] @ w) ** 2)
+      return sup + 0.5 * unsup
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * g, loss
+
+  w = jnp.ones((8, 3)) / 8
+  batch = {"x": jnp.arange(64.0).reshape(8, 8) / 64, "y": jnp.arange(8.0) / 8,
+           "unlabeled": jnp.cos(jnp.arange(128.0)).reshape(16, 8)}
+  jitted, facts = _built(step, plan_lib.Plan(microbatches=4), w, batch)
+  got = jitted(w, batch)
+  (fact,) = facts.values()
+  assert fact.auto_refused is None and "(exact)" in fact.auto
+  assert "float32[16, 8]" in fact.auto
+  assert _rel(got, jax.jit(step)(w, batch)) < 1e-6

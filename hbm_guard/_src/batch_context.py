@@ -54,6 +54,10 @@ class Context:
   # (pairs stored as halves, `[a_1..a_n, b_1..b_n]`), not as m rows per example, examples
   # major (five captions per image).
   segment_major: bool = False
+  # Whether a first axis several times the batch's length holds it (as rows per example,
+  # or segments) before another axis of exactly its length does: a set of unlabeled
+  # examples twice the labeled beside it, `[2B, D]` with `D == B` (FixMatch, DANN).
+  rows_first: bool = False
   # The step's own call being traced, to trace it again at a microbatch's shapes where the
   # loss alone cannot be (sizes the step read before the loss: `b, t = x.shape`).
   step_call: "StepCall | None" = dataclasses.field(default=None, compare=False, repr=False)
@@ -104,7 +108,8 @@ class Context:
     the batch, whatever its leaves' sizes."""
     apart = frozenset() if self.by_leaf else frozenset(
         i for ids, shapes in self.groups
-        if any(_axis_of(s, size, self.across_axes) is None for s in shapes) for i in ids)
+        if any(_axis_of(s, size, self.across_axes, rows_first=self.rows_first) is None
+               for s in shapes) for i in ids)
     return dataclasses.replace(self, batch_size=size, apart_ids=apart)
 
   def leafwise(self) -> "Context":
@@ -141,6 +146,16 @@ class Context:
       return None
     return dataclasses.replace(self, segment_major=True)
 
+  def multiples_first(self) -> "Context | None":
+    """This context with a first axis several times the batch's length read before an
+    only other axis of its length; None where no array of the step's is read otherwise."""
+    size = self.batch_size
+    if self.rows_first or not size or not any(
+        shape[0] != size and shape[0] % size == 0 and size in shape[1:]
+        for _, shape, _ in self.candidates):
+      return None
+    return dataclasses.replace(self, rows_first=True).sized(size)
+
   def step_inputs(self) -> "Context":
     """This context with the batch only in the step's own batch arrays."""
     return dataclasses.replace(self, inputs_only=True)
@@ -176,18 +191,21 @@ class Context:
       return None
     if is_key(x):  # per-example keys (`split(key, n)`): split with their examples
       return 0 if x.shape[0] == self.batch_size else None
-    return _axis_of(tuple(x.shape), self.batch_size, self.across_axes, self.segment_major)
+    return _axis_of(tuple(x.shape), self.batch_size, self.across_axes, self.segment_major,
+                    self.rows_first)
 
   def is_batch(self, x) -> bool:
     return self.batch_axis_of(x) is not None
 
 
-def _axis_of(shape: tuple, size: int | None, across_axes: bool, segment_major: bool = False
-             ) -> int | batch_axis.Batched | None:
+def _axis_of(shape: tuple, size: int | None, across_axes: bool, segment_major: bool = False,
+             rows_first: bool = False) -> int | batch_axis.Batched | None:
   """Where `shape` holds the batch of `size`: its first axis; else (`across_axes`) its only
   axis of that length, or a first axis of several rows per example, examples major (five
-  captions per image, [5B, ...]), or (`segment_major`) of several segments of the batch. Which axis is a designation, not a proof: the analysis
-  then splits the loss along it exactly or refuses."""
+  captions per image, [5B, ...]), or (`segment_major`) of several segments of the batch
+  (`rows_first`: such a first axis before another of exactly the batch's length). Which
+  axis is a designation, not a proof: the analysis then splits the loss along it exactly
+  or refuses."""
   if not shape or not size:
     return None
   if shape[0] == size:
@@ -195,9 +213,9 @@ def _axis_of(shape: tuple, size: int | None, across_axes: bool, segment_major: b
   if not across_axes:
     return None
   axes = [i for i, n in enumerate(shape) if n == size]
-  if len(axes) == 1:
+  if len(axes) == 1 and not (rows_first and shape[0] % size == 0):
     return axes[0]
-  if axes or shape[0] % size:
+  if (axes and not rows_first) or shape[0] % size:
     return None
   return batch_axis.Batched(0, shape[0] // size) if segment_major else 0
 

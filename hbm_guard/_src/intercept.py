@@ -365,8 +365,10 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   readings = [lead] if (any(t.axes) or lead.batch_size != ctx.batch_size) else []
   own = [x for i, a in enumerate(args) if i not in t.diff for x in jax.tree.leaves(a)]
   k = plan_lib.peek("microbatches")
-  readings += [c for c in (ctx.step_inputs(), ctx.leafwise(), *ctx.other_sizes(own))
-               if c not in readings and (k == 1 or (c.batch_size or 1) % k == 0)]
+  readings += [c for c in (ctx.step_inputs(), ctx.leafwise(), ctx.multiples_first(),
+                           *ctx.other_sizes(own))
+               if c is not None and c not in readings
+               and (k == 1 or (c.batch_size or 1) % k == 0)]
   batch_leaves = t.inputs()[2]  # (those the loss closes over too)
   lengths = {x.shape[0] for x in batch_leaves if getattr(x, "ndim", 0)}
   readings += [s for c in (ctx, *readings) if (s := c.segmented(lengths)) is not None
