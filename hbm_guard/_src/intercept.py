@@ -256,7 +256,8 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
                     if i < len(args) for x in jax.tree.leaves(args[i])]
   whole, ctx = ctx, ctx.beside(differentiated)
   try:
-    t = _trace(fun, argnums, args, kwargs, ctx, index)
+    budget = [retrace.MAX_RETRACES]
+    t = _trace(fun, argnums, args, kwargs, ctx, index, budget)
   except Exception as e:  # pylint: disable=broad-except  (then jax's own, which raises its own)
     _note(Found(_name(fun, ctx), (), None, f"the loss could not be traced alone ({e!r:.120})",
                 None))
@@ -271,10 +272,11 @@ def _guarded(fun, argnums, has_aux, args, kwargs, ctx: batch_context.Context, ow
     refused = None if branches else why if why and "`cond`" in refused else refused
   if refused is not None:
     ctx, t, split, refused = _other_readings(fun, argnums, args, kwargs, whole, differentiated,
-                                             ctx, t, refused, index)
+                                             ctx, t, refused, index, budget)
   elif _uneven(ctx.batch_size):  # a reading whose count divides (the batch on a later axis)
     other = _other_readings(fun, argnums, args, kwargs, whole, differentiated, ctx, t,
-                            f"the batch of {ctx.batch_size} does not split evenly", index)
+                            f"the batch of {ctx.batch_size} does not split evenly", index,
+                            budget)
     if other[2] is not None and not _uneven(other[0].batch_size):
       (ctx, t, split, refused), branches = other, None
   batch = ctx.batch_size
@@ -337,18 +339,18 @@ def _uneven(batch: int | None) -> bool:
 _MAX_READINGS = 10  # readings of which arguments hold the batch, tried in turn
 
 
-def _trace(fun, argnums, args, kwargs, reading: batch_context.Context, index: int
-           ) -> auto_grad.Traced:
+def _trace(fun, argnums, args, kwargs, reading: batch_context.Context, index: int,
+           budget: list[int]) -> auto_grad.Traced:
   """The loss traced alone at the whole batch as `reading` reads it, with how to trace it
-  again through the step at a microbatch (`retrace`)."""
+  again through the step at a microbatch (`retrace`, within the gradient's `budget`)."""
   t = auto_grad.trace(fun, argnums, args, kwargs, reading)
-  t.again = retrace.again(reading, index, t)
+  t.again = retrace.again(reading, index, t, budget)
   return t
 
 
 def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, differentiated,
                     ctx: batch_context.Context, t: auto_grad.Traced, refused: str,
-                    index: int = 0):
+                    index: int = 0, budget: list[int] | None = None):
   """Where the batch as first read is refused, the other readings of where it is, in turn:
   on first axes alone (as it was read before batches on other axes), each leaf on its own
   (a class table beside the batch in one tuple), the batch only in the step's own arrays
@@ -378,7 +380,8 @@ def _other_readings(fun, argnums, args, kwargs, whole: batch_context.Context, di
   reported, uneven, further = (ctx, t, None, refused), None, None
   for other in readings[:_MAX_READINGS]:
     try:
-      t1 = _trace(fun, argnums, args, kwargs, other, index)
+      t1 = _trace(fun, argnums, args, kwargs, other, index,
+                  budget if budget is not None else [retrace.MAX_RETRACES])
     except Exception:  # pylint: disable=broad-except  (the refusal above stands)
       continue
     if other in apart and _reworked(t1, apart[other]):

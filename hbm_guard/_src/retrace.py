@@ -62,14 +62,26 @@ def capturing() -> _Capture | None:
   return _CAPTURE.get()
 
 
-def again(reading: batch_context.Context, index: int, t: auto_grad.Traced
+MAX_RETRACES = 3  # second traces of the step per gradient, across its readings
+
+
+def again(reading: batch_context.Context, index: int, t: auto_grad.Traced, budget: list[int]
           ) -> Callable[[int], auto_grad.Traced] | None:
   """`k -> the loss of t` as the step traced at 1/k of the batch (as `reading` reads it)
-  calls its `index`th gradient; None where the trace gave no step call. Traced once per k."""
+  calls its `index`th gradient; None where the trace gave no step call. Traced once per k,
+  and at most `budget[0]` times in all (a step's trace can take seconds: the readings of
+  one gradient share the budget)."""
   call = reading.step_call
   if call is None:
     return None
-  return functools.cache(functools.partial(_traced_again, call, reading, index, t))
+
+  @functools.cache
+  def traced(k: int) -> auto_grad.Traced:
+    if budget[0] <= 0:
+      raise ValueError("no second trace of the step left for this gradient")
+    budget[0] -= 1
+    return _traced_again(call, reading, index, t, k)
+  return traced
 
 
 def _traced_again(call: batch_context.StepCall, reading: batch_context.Context, index: int,
