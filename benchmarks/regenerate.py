@@ -77,7 +77,7 @@ BENCHMARKS = (
               "random loss programs split under pinned microbatch plans: none may differ"),
     Benchmark("outside", "Train steps nobody here wrote",
               ("-m", "benchmarks.bench_outside"),
-              "five readings of steps written by sessions that had not read the analysis's "
+              "six readings of steps written by sessions that had not read the analysis's "
               "rules, each under microbatch(4) against jax.jit: what splits, what is refused "
               "and why, and none may differ"),
     Benchmark("offload", "Optimizer-state offload on v5e",
