@@ -15,10 +15,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import os
 import sys
-import types
 from typing import Callable, Iterator
 
 import jax
@@ -31,6 +29,7 @@ from hbm_guard._src import batch_tags
 from hbm_guard._src import batch_units
 from hbm_guard._src import cond_branches
 from hbm_guard._src import errors
+from hbm_guard._src import following as following_lib
 from hbm_guard._src import layers as layers_lib
 from hbm_guard._src import loss_split
 from hbm_guard._src import micro_program
@@ -56,47 +55,12 @@ except ImportError:  # pragma: no cover  (a jax without it: bound names are not 
 _API_SWAP = swap.WhileTracing()
 
 
-def _nested_code(fun: Callable, name: str) -> types.CodeType | None:
-  """The code of the function `name` defined inside `fun` (None where jax moved it)."""
-  code = getattr(inspect.unwrap(fun), "__code__", None)
-  return next((c for c in (code.co_consts if code else ())
-               if isinstance(c, types.CodeType) and c.co_name == name), None)
-
-
-_VALUE_AND_GRAD_F = _nested_code(_ORIGINAL["value_and_grad"], "value_and_grad_f")
-# what `_vjp` reads from jax's value_and_grad_f frame: the call it intercepts
-_FRAME_NAMES = frozenset({"fun", "argnums", "has_aux", "args", "kwargs", "holomorphic",
-                          "allow_int"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Following:
-  """Whether the drop-in follows this jax's gradient functions: `jax.value_and_grad` /
-  `jax.grad` by attribute always; bound before the trace (`from jax import grad`) only
-  where jax's own `value_and_grad_f` is the one it knows. Checked once per process, and
-  said (the progress log, each gradient's note) where it is not: never a silent fallback."""
-  bound_names: bool
-  why_not: str | None = None
-
-  def message(self) -> str | None:
-    if self.bound_names:
-      return None
-    return (f"the drop-in could not follow `jax.value_and_grad` / `jax.grad` bound before "
-            f"the trace in jax {jax.__version__} ({self.why_not}): a step that imported "
-            f"them by name runs jax's own gradient, not split; call them as `jax.grad`, "
-            f"use `hbm_guard.value_and_grad`, or pin jax to a version hbm_guard knows")
+_VALUE_AND_GRAD_F = following_lib.nested_code(_ORIGINAL["value_and_grad"], "value_and_grad_f")
+Following = following_lib.Following
 
 
 def _following() -> Following:
-  if _jax_api is None or not hasattr(_jax_api, "vjp"):
-    return Following(False, "jax._src.api has no `vjp`")
-  if _VALUE_AND_GRAD_F is None:
-    return Following(False, "jax.value_and_grad defines no `value_and_grad_f`")
-  code = _VALUE_AND_GRAD_F
-  missing = _FRAME_NAMES - {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
-  if missing:
-    return Following(False, f"its value_and_grad_f has no {', '.join(sorted(missing))}")
-  return Following(True)
+  return following_lib.check(_jax_api, _VALUE_AND_GRAD_F)
 
 
 FOLLOWING = _following()
