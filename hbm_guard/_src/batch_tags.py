@@ -4,10 +4,10 @@ primitive and the user's source line."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import sys
 import traceback
-import enum
 
 import jax
 import numpy as np
