@@ -6,7 +6,7 @@ segments, labels, checkpoints, scans, many sums, a tuple batch). Prints how many
 split exactly, refused, different (a split that trains otherwise, its float64 run as far
 apart: must be 0), rounding (apart in float32 only), refused as the guard's own bug (must
 be 0) and crashed (where jax.jit does not: must be 0). A refused program is only traced:
-the guard then runs jax's own gradient (the CI fuzzer, tests/test_exactness_fuzz.py, runs
+the guard then runs jax's own gradient (the CI fuzzer, tests/dropin/test_exactness_fuzz.py, runs
 them too).
 
   PYTHONPATH=. .venv/bin/python -m benchmarks.bench_exactness_fuzz --programs 10000 --workers 2

@@ -34,8 +34,8 @@ import optax
 from flax.training import train_state
 
 import hbm_guard
-from hbm_guard._src import compile as compile_lib
-from hbm_guard._src import targets
+from hbm_guard._src.backends import compile as compile_lib
+from hbm_guard._src.backends import targets
 from hbm_guard._src.search import tuning
 from hbm_guard.integrations import flax as hg_flax
 from examples.recover_e1000 import train as lm

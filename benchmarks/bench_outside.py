@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from hbm_guard._src import plan as plan_lib
+from hbm_guard._src.plans import plan as plan_lib
 from tests.exactness import harness
 
 READINGS = ("reading1", "reading2", "reading3", "reading4", "reading5", "reading6")

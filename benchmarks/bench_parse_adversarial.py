@@ -9,7 +9,7 @@ A log is untrusted input; parse time must grow linearly. Prints seconds per inpu
 import argparse
 import time
 
-from hbm_guard._src import record
+from hbm_guard._src.record import record
 
 
 def adversarial_inputs(size: int) -> dict[str, str]:

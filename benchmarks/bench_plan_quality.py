@@ -33,7 +33,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 import hbm_guard
-from hbm_guard._src import compile as compile_lib
+from hbm_guard._src.backends import compile as compile_lib
 
 CAPACITIES = (0.70, 0.50, 0.35)
 POLICIES = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")

@@ -23,7 +23,7 @@ import optax
 from flax.training import train_state
 
 import hbm_guard
-from hbm_guard._src import plan as plan_lib
+from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard.integrations import flax as hg_flax
 
 

@@ -1,5 +1,5 @@
 """`python -m hbm_guard` is the `hbm-guard` command."""
 
-from hbm_guard._src import cli
+from hbm_guard._src.cli import cli
 
 cli.run()

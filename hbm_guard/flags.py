@@ -12,7 +12,7 @@ import dataclasses
 
 from absl import flags
 
-from hbm_guard._src import options as _options
+from hbm_guard._src.backends import options as _options
 
 
 def _define(field) -> flags.FlagHolder:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from hbm_guard._src import api
-from hbm_guard._src import guard as guard_lib
-from hbm_guard._src import plan_aware
-from hbm_guard._src import offload
+from hbm_guard._src.guard import api
+from hbm_guard._src.guard import guard as guard_lib
+from hbm_guard._src.dropin import plan_aware
+from hbm_guard._src.plans import offload
 
 
 def remat(target: Any, **kwargs) -> Any:

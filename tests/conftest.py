@@ -10,7 +10,7 @@ os.environ["HBM_GUARD_RAISE_INTERNAL"] = "1"
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import pytest
 
-from hbm_guard._src import targets
+from hbm_guard._src.backends import targets
 
 # Tests count compiles: a plan remembered from another test (or run) would hide a climb.
 # Tests of the cache pass plan_cache= explicitly.

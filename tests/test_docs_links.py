@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from hbm_guard._src import errors
+from hbm_guard._src.record import errors
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _LINK = re.compile(r"\]\(([^)\s]+)\)")

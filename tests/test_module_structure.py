@@ -1,4 +1,5 @@
-"""hbm_guard's modules import one another without a cycle (function-level imports too)."""
+"""hbm_guard's modules import one another without a cycle (function-level imports too), each
+folder of `_src` only the folders below it, and each module fits in a head."""
 
 import ast
 import pathlib
@@ -40,6 +41,35 @@ def test_no_import_cycle():
     if node not in state:
       visit(node, [node])
   assert not cycles, cycles
+
+
+
+# _src's folders, lowest first: each may import only itself and the folders before it.
+GROUPS = ("record", "memory", "plans", "files", "search", "dropin", "backends", "guard", "cli")
+
+
+def test_every_module_lives_in_a_group():
+  loose = sorted(f.name for f in SRC.glob("*.py") if f.name != "__init__.py")
+  folders = sorted(d.name for d in SRC.iterdir() if d.is_dir() and d.name != "__pycache__")
+  assert not loose, loose
+  assert folders == sorted(GROUPS), folders
+
+
+def test_each_group_imports_only_the_groups_below_it():
+  rank = {g: i for i, g in enumerate(GROUPS)}
+  upward = sorted(
+      (module, dep) for module, deps in _imports().items() for dep in deps
+      if rank[dep.split(".")[0]] > rank[module.split(".")[0]])
+  assert not upward, upward
+
+
+def test_each_group_says_what_it_may_import():
+  for i, group in enumerate(GROUPS):
+    doc = ast.get_docstring(ast.parse((SRC / group / "__init__.py").read_text(encoding="utf-8")))
+    said = doc.rsplit("May import:", 1)[1].strip().rstrip(".")
+    expected = ("nothing of hbm_guard" if i == 0 else
+                "every other group" if i == len(GROUPS) - 1 else ", ".join(GROUPS[:i]))
+    assert said == expected, (group, said)
 
 
 ROOT = SRC.parent.parent
@@ -118,11 +148,19 @@ def test_no_property_assigns_state():
 def test_what_a_kind_of_rung_does_is_decided_by_its_spec_alone():
   """#58 item 2: no module outside the rung specs branches on a rung's kind; each kind has
   one spec holding its field, applicability, application, saving, search axis and trust."""
-  from hbm_guard._src import rung_specs
-  from hbm_guard._src import rungs
+  from hbm_guard._src.plans import rung_specs
+  from hbm_guard._src.plans import rungs
   assert set(rung_specs.SPECS) == set(rungs.RungKind)
-  homes = {SRC / "rungs.py", SRC / "rung_specs.py"}
+  homes = {SRC / "plans" / "rungs.py", SRC / "plans" / "rung_specs.py"}
   branching = [f"{f.relative_to(ROOT)}:{i}" for f in SRC.rglob("*.py") if f not in homes
                for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
                if "RungKind." in line or ".kind is Kind." in line or "kind in (Kind" in line]
   assert not branching, branching
+
+
+def test_the_design_page_names_every_module_in_its_folder():
+  page = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+  sections = {s.split("`", 2)[1].rstrip("/"): s for s in page.split("\n## ")[1:]}
+  missing = sorted(f"{group}/{f.name}" for group in GROUPS for f in (SRC / group).glob("*.py")
+                   if f.name != "__init__.py" and f"`{f.name}`" not in sections.get(group, ""))
+  assert not missing, missing

@@ -207,7 +207,7 @@ class Verdict:
   @property
   def internal_error(self) -> bool:
     """A refusal that says it is the guard's own bug."""
-    from hbm_guard._src import intercept  # pylint: disable=import-outside-toplevel
+    from hbm_guard._src.dropin import intercept  # pylint: disable=import-outside-toplevel
     return bool(self.refused) and intercept.INTERNAL_ERROR in self.refused
 
 
@@ -215,7 +215,7 @@ def judge(program, steps: int = 1, run_refused: bool = True) -> Verdict:
   """The program under its microbatch plan against jax.jit (a refused one only traced,
   unless `run_refused`: it runs jax's own gradient); a split apart by more than RTOL is
   run again in float64."""
-  from hbm_guard._src import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from hbm_guard._src.plans import plan as plan_lib  # pylint: disable=import-outside-toplevel
   case = program.case()
   try:
     out = harness.under_plan(case, plan_lib.Plan(microbatches=program.k), steps=steps,

@@ -18,10 +18,10 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hbm_guard  # noqa: E402
-from hbm_guard._src import compile as compile_lib  # noqa: E402
-from hbm_guard._src import options as options_lib  # noqa: E402
-from hbm_guard._src import steps as steps_lib  # noqa: E402
-from tests import test_drop_in as drop_in  # noqa: E402
+from hbm_guard._src.backends import compile as compile_lib  # noqa: E402
+from hbm_guard._src.backends import options as options_lib  # noqa: E402
+from hbm_guard._src.backends import steps as steps_lib  # noqa: E402
+from tests.dropin import test_drop_in as drop_in  # noqa: E402
 
 
 def _dot_rows(hlo: str) -> int:

@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hbm_guard  # noqa: E402
-from hbm_guard._src import compile as guard  # noqa: E402
+from hbm_guard._src.backends import compile as guard  # noqa: E402
 
 
 def step(w, x):

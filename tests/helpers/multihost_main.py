@@ -18,8 +18,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import hbm_guard  # noqa: E402
-from hbm_guard._src import compile as C  # noqa: E402
-from hbm_guard._src import plan as plan_lib  # noqa: E402
+from hbm_guard._src.backends import compile as C  # noqa: E402
+from hbm_guard._src.plans import plan as plan_lib  # noqa: E402
 
 
 def step(w, x, y):
@@ -55,7 +55,7 @@ def main():
 
 
 def _budget_ends_the_fit_on_every_process(pid, capacity, slow, w, x, y):
-  from hbm_guard._src import backend as backend_lib  # pylint: disable=g-import-not-at-top
+  from hbm_guard._src.backends import backend as backend_lib  # pylint: disable=g-import-not-at-top
   real, compiles, finished = backend_lib.LocalBackend.compile, [], []
   def compile_slowly_on_process_1(self, plan, *args, probe=False, **kwargs):
     if not probe:

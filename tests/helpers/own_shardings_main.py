@@ -13,8 +13,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hbm_guard  # noqa: E402
-from hbm_guard._src import compile as compile_lib  # noqa: E402
-from tests import test_own_shardings as own  # noqa: E402
+from hbm_guard._src.backends import compile as compile_lib  # noqa: E402
+from tests.plans import test_own_shardings as own  # noqa: E402
 
 
 def explicit_step(state, batch):

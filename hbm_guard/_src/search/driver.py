@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
-from hbm_guard._src import plan as plan_lib
+from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.search import model
 from hbm_guard._src.search import state as state_lib
 from hbm_guard._src.search import tuning

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 from typing import Iterator, Sequence
 
-from hbm_guard._src import plan as plan_lib
+from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.search import model
 from hbm_guard._src.search.state import SearchState, program
 

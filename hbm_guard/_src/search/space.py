@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from hbm_guard._src import plan as plan_lib
-from hbm_guard._src import rung_specs
-from hbm_guard._src import rungs as rungs_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rung_specs
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.search import model
 from hbm_guard._src.search import tuning
 from hbm_guard._src.search.state import program

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from hbm_guard._src import plan as plan_lib
+from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.search import tuning
 
 Plan = plan_lib.Plan

@@ -1,7 +1,7 @@
 """The search's tuned constants, each with the measurement it came from (BENCHMARKS.md,
 and docs/planner.md for the runs named here: "368M" is bench_scale's LM on v5e:1x1)."""
 
-from hbm_guard._src import rungs as rungs_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 
 HEADROOM = rungs_lib.HEADROOM  # aim below the capacity: estimates are estimates
 # Host link against compute on a TPU: ~25 GB/s against ~100 TFLOP/s.
