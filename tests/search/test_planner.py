@@ -459,7 +459,7 @@ _LM_NEEDS = {None: {1: 76.0, 2: 62.0, 4: 33.0, 8: 18.8, 16: 11.6},
 _LM_FLOPS = {None: 3.803e13, "dots": 3.973e13}
 
 
-def _racing_planner(needs, events, capacity=15.75):
+def _racing_planner(needs, events, capacity=15.75, flops=None, plain=81.19, state=4.1):
   """A planner whose probes are dear (an 18-s failed compile) and whose compiles run side
   by side: it races compiles at the capacity."""
   def start_compile(plan):
@@ -471,11 +471,12 @@ def _racing_planner(needs, events, capacity=15.75):
     read.done = lambda: ("read", plan.remat_policy, plan.microbatches) in events
     return read
   planner = driver_lib.Driver(
-      lambda p: 1 / 0, lambda p: _LM_FLOPS[p.remat_policy], capacity=int(capacity * GiB),
+      lambda p: 1 / 0, lambda p: (flops or _LM_FLOPS)[p.remat_policy],
+      capacity=int(capacity * GiB),
       scale=1.3, side_by_side=True, start_compile=start_compile,
       start_probes=lambda plans: 1 / 0)  # a probe here fails the test
-  planner.update(state_lib.with_state_bytes, int(4.1 * GiB))
-  planner.observe(hbm_guard.Plan(), real_bytes=int(81.19 * GiB), fits=False, seconds=18.0)
+  planner.update(state_lib.with_state_bytes, int(state * GiB))
+  planner.observe(hbm_guard.Plan(), real_bytes=int(plain * GiB), fits=False, seconds=18.0)
   donated = hbm_guard.Plan(donate_argnums=(0,))
   families = [donated, dataclasses.replace(donated, remat_policy="dots")]
   return planner, families
@@ -522,6 +523,41 @@ def test_a_race_compiles_only_what_its_failures_leave_open_and_ends_with_none():
   assert events == [("start", "dots", 2), ("start", "dots", 1), ("read", "dots", 1),
                     ("start", "dots", 4), ("read", "dots", 4), ("start", "dots", 8),
                     ("read", "dots", 8), ("start", "dots", 16), ("read", "dots", 16)]
+
+
+# A 1B decoder LM fine-tuned on v5e:1x1 (#57), real figures in GiB: per-layer remat needed
+# more than no remat at 1 and 2 microbatches (its saved outputs outweigh what it frees).
+_REMAT_WORSE = {None: {1: 20.19, 2: 17.18, 4: 15.3, 8: 14.9},
+                "dots": {1: 25.23, 2: 19.20, 4: 16.5, 8: 15.0}}
+
+
+def test_a_remat_family_that_needs_more_than_none_is_not_searched_further():
+  # Remat priced a little cheaper is raced first (1, 2), then no remat (1, 2); all fail.
+  # Remat needed more than no remat at 1: microbatch(4) with remat is not compiled beside
+  # microbatch(4) without, and the planning says why remat was left. No remat's failures
+  # at 1 and 2 put 4 at 15.68 GiB (F + P / k), under the capacity: it is compiled alone,
+  # microbatch(8) not started beside it.
+  events = []
+  planner, families = _racing_planner(_REMAT_WORSE, events, flops={None: 1e13, "dots": 0.99e13},
+                                      plain=25.27, state=9.0)
+  choice = cheapest.choose(planner, families, [1, 2, 4, 8], offload_bytes=0, race=True)
+  assert (choice.plan.remat_policy, choice.plan.microbatches) == (None, 4)
+  assert ("start", "dots", 4) not in events
+  assert events[-2:] == [("start", None, 4), ("read", None, 4)]
+  assert ("start", None, 8) not in events
+  notes = model.remat_notes(planner.state)
+  assert len(notes) == 1 and "not less than 20.19 GiB without remat" in notes[0], notes
+
+
+def test_remat_that_frees_memory_stays_searched():
+  planner, families = _racing_planner(_LM_NEEDS, [])
+  donated, dots = families
+  at = lambda f, k: dataclasses.replace(f, microbatches=k)  # noqa: E731
+  planner.observe(at(dots, 1), real_bytes=int(19.87 * GiB), fits=False)
+  planner.observe(at(donated, 1), real_bytes=int(76.0 * GiB), fits=False)
+  assert model.remat_no_help(planner.state, at(dots, 4)) is None
+  assert not model.ruled_out(planner.state, at(dots, 4))
+  assert model.remat_notes(planner.state) == []
 
 
 def test_a_lower_bound_comes_from_the_familys_real_failures():

@@ -80,6 +80,7 @@ def next_plan(driver: Driver, rungs: Sequence[rungs_lib.Rung], plan: Plan,
     chosen, predicted = (nxt.describe() if nxt else None), None
     why = ("no planned plan is predicted to fit; the ladder's remaining rungs from the "
            f"closest plan ({closest.describe()})")
+  why = "; ".join([why, *model.remat_notes(driver.state)])
   return nxt, skips, Planning(chosen, why, driver.probes[n_probes:], driver.scale, predicted)
 
 
