@@ -146,11 +146,18 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
   state, batch, n = abstract_args(s, PlainLM if unmodified else LM)
   step = plain_train_step if unmodified else hg_flax.train_step(loss_fn)
   shardings = own_shardings(target, state, batch) if own else {}
+  return {"params": n, **measure(step, state, batch, target, max_fit_seconds=max_fit_seconds,
+                                 auto_plan_aware=drop_in, estimated_rivals=estimated_rivals,
+                                 memory_breakdown=memory_breakdown, one_compile=one_compile,
+                                 **shardings)}
+
+
+def measure(step, state, batch, target: str, *, one_compile: bool = True, **options):
+  """Fits `step` for `target` as a user would (abstract arguments, `.fit`), then compiles the
+  plan it found once more in this process: what the fit cost against that one compile."""
+  shardings = {k: options[k] for k in ("in_shardings", "out_shardings") if k in options}
   g = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
-                            plan_cache=False, max_fit_seconds=max_fit_seconds,
-                            report_dir=tempfile.mkdtemp(), auto_plan_aware=drop_in,
-                            estimated_rivals=estimated_rivals,
-                            memory_breakdown=memory_breakdown, **shardings)
+                            plan_cache=False, report_dir=tempfile.mkdtemp(), **options)
   t0 = time.perf_counter()
   plan, error = None, None
   try:
@@ -161,7 +168,7 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
   made = [p for a in g.attempts if a.planning is not None for p in a.planning.probes]
   probes = [p for p in made if not p.compiled]
   beside = [p for p in made if p.compiled]  # compiles at the capacity beside the probes
-  row = {"params": n, "compiles": len(g.attempts), "probes": len(probes),
+  row = {"compiles": len(g.attempts), "probes": len(probes),
          "probe_seconds": sum(p.seconds for p in probes),
          "beside_failed": sum(1 for p in beside
                               if plan is None or p.plan != planner_lib.program(plan)),
@@ -170,6 +177,10 @@ def fit(s: Size, target: str, max_fit_seconds: float | None, unmodified: bool = 
          "estimate": next((a.estimate for a in reversed(g.attempts) if a.estimate), None),
          "compared": _compared(g),
          "breakdowns": [a.breakdown for a in g.attempts if a.breakdown is not None],
+         "attempts": [(a.plan.describe(), a.outcome.value, a.seconds,
+                       (a.memory or {}).get("peak") or (a.record.required_bytes
+                                                        if a.record else None))
+                      for a in g.attempts],
          "report": g.report_path}
   if plan is not None and one_compile:  # one compile of the plan found, in this process
     again = hbm_guard.guarded_jit(step, state_argnums=0, target=target, max_class="numerics",
