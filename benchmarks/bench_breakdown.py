@@ -19,8 +19,8 @@ import time
 import hbm_guard
 from benchmarks import bench_models
 from benchmarks import bench_scale
-from hbm_guard._src.memory import breakdown_check
 from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.memory import breakdown_check
 
 
 def _fit_model(name: str, target: str, on: bool) -> dict:

@@ -29,9 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hbm_guard
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.search import planner as planner_lib
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.backends import targets as targets_lib
+from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.search import planner as planner_lib
 from hbm_guard.integrations import flax as hg_flax
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from hbm_guard._src.dropin import plan_aware
 from hbm_guard._src.guard import api
 from hbm_guard._src.guard import guard as guard_lib
-from hbm_guard._src.dropin import plan_aware
 from hbm_guard._src.plans import offload
 
 

@@ -11,19 +11,19 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src.backends import backend as backend_lib
-from hbm_guard._src.guard import climb as climb_lib
 from hbm_guard._src.backends import compile as compile_lib
+from hbm_guard._src.backends import options as options_lib
+from hbm_guard._src.backends import probing
+from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.guard import climb as climb_lib
 from hbm_guard._src.guard import fit as fit_lib
+from hbm_guard._src.guard import spend as spend_lib
 from hbm_guard._src.plans import ladder as ladder_lib
 from hbm_guard._src.plans import rungs as rungs_lib
-from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.search import planner as planner_lib
-from hbm_guard._src.backends import probing
 from hbm_guard._src.record import record as record_lib
-from hbm_guard._src.guard import spend as spend_lib
-from hbm_guard._src.backends import steps as steps_lib
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import driver as driver_lib
+from hbm_guard._src.search import planner as planner_lib
 from hbm_guard._src.search import space
 from hbm_guard._src.search import tuning
 

@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.plans import plan as plan_lib
 from tests import paths
 from tests.dropin import test_drop_in as drop_in
 

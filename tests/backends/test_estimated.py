@@ -13,8 +13,8 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src.backends import estimated as estimated_lib
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.cli import report_html
+from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.search import rivals as rivals_lib
 from hbm_guard._src.search import state as state_lib
 from tests.backends.test_step_time import _step  # two bf16 layers of 1024

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 import hbm_guard
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.backends import step_time
 from hbm_guard._src.backends import targets
+from hbm_guard._src.files import report as report_lib
 
 SPEED = step_time.DeviceSpeed(peak_flops=100e12, hbm_bytes_per_second=1e12, clock_hz=1e9)
 

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 import hbm_guard
-from hbm_guard._src.cli import cli
 from hbm_guard._src.backends import compile as C
+from hbm_guard._src.cli import cli
 from hbm_guard._src.files import report as report_lib
 from tests.record.test_record_corpus import body
 

@@ -24,14 +24,14 @@ from jax import value_and_grad as bound_value_and_grad
 from jax._src import api as jax_api
 
 import hbm_guard
-from hbm_guard._src.dropin import batch_axis
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.dropin import jaxpr_flat
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.backends import probing
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.dropin import batch_axis
+from hbm_guard._src.dropin import jaxpr_flat
+from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.plans import plan as plan_lib
 
 VOCAB, EMB = 50, 16
 

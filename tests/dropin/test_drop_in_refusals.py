@@ -17,12 +17,12 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src.backends import compile as compile_lib
+from hbm_guard._src.backends import options as options_lib
+from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.cli import report_html
 from hbm_guard._src.dropin import intercept
 from hbm_guard._src.dropin import microbatch
-from hbm_guard._src.backends import options as options_lib
 from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.cli import report_html
-from hbm_guard._src.backends import steps as steps_lib
 
 B, D, H = 256, 32, 512
 

@@ -8,8 +8,8 @@ import pytest
 
 import hbm_guard
 from hbm_guard._src.backends import compile as C
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from tests.helpers import side_by_side
 
 VOCAB, SEQ, BATCH, WIDTH = 64, 16, 16, 32

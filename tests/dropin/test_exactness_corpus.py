@@ -9,9 +9,9 @@ where jax.jit does not.
 import numpy as np
 import pytest
 
-from hbm_guard._src.record import errors
 from hbm_guard._src.dropin import intercept
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import errors
 from tests.exactness import corpus
 from tests.exactness import harness
 

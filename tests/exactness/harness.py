@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import hbm_guard
-from hbm_guard._src.dropin import batch_context
 from hbm_guard._src.backends import compile as compile_lib
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.dropin import batch_context
+from hbm_guard._src.plans import plan as plan_lib
 
 RTOL = 1e-5
 STEPS = 3

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import pytest
 
 import hbm_guard
-from hbm_guard._src.guard import budget as budget_lib
 from hbm_guard._src.backends import compile as C
+from hbm_guard._src.guard import budget as budget_lib
 
 
 def sgd_step(w, x):

@@ -11,8 +11,8 @@ import pytest
 from absl.testing import flagsaver
 
 import hbm_guard
-from hbm_guard._src.record import diagnose as D
 from hbm_guard._src.plans import rung_specs
+from hbm_guard._src.record import diagnose as D
 from hbm_guard._src.record import record as R
 from tests import paths
 

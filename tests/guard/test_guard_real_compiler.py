@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import hbm_guard
-from hbm_guard._src.record import record as R
 from hbm_guard._src.plans import rungs as rungs_lib
+from hbm_guard._src.record import record as R
 from examples.recover_e1000 import train
 
 pytestmark = pytest.mark.real_compiler

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import hbm_guard
-from hbm_guard._src.cli import cli
 from hbm_guard._src.backends import compile as C
+from hbm_guard._src.cli import cli
 from hbm_guard._src.files import plan_cache as PC
 
 

@@ -17,9 +17,9 @@ from flax import linen as nn
 from flax.training import train_state
 
 import hbm_guard
+from hbm_guard._src.cli import report_html
 from hbm_guard._src.files import plan_cache as plan_cache_lib
 from hbm_guard._src.files import report as report_lib
-from hbm_guard._src.cli import report_html
 from hbm_guard._src.guard import tournament as tournament_lib
 from hbm_guard._src.search import rivals as rivals_lib
 from hbm_guard._src.search import state as state_lib

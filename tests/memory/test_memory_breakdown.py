@@ -17,11 +17,11 @@ from flax import linen as nn
 from flax.training import train_state
 
 import hbm_guard
+from hbm_guard._src.cli import report_html
 from hbm_guard._src.memory import breakdown as breakdown_lib
 from hbm_guard._src.memory import breakdown_check
 from hbm_guard._src.memory import buffer_dump
 from hbm_guard._src.memory import memory_dump
-from hbm_guard._src.cli import report_html
 from tests import paths
 
 Kind = breakdown_lib.Kind

@@ -14,9 +14,9 @@ import optax
 import pytest
 
 import hbm_guard
+from hbm_guard._src.cli import report_html
 from hbm_guard._src.plans import offload
 from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.cli import report_html
 from tests.helpers import side_by_side
 
 MiB = 2**20

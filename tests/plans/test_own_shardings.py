@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hbm_guard
 from hbm_guard._src.backends import backend as backend_lib
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.plans import user_shardings
 from tests import paths
 

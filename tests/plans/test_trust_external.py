@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import hbm_guard
-from hbm_guard._src.cli import cli
 from hbm_guard._src.backends import compile as C
-from hbm_guard._src.plans import rungs as rungs_lib
-from hbm_guard._src.files import plan_cache as PC
-from hbm_guard._src.record import record as R
-from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.cli import cli
 from hbm_guard._src.cli import report_html
+from hbm_guard._src.files import plan_cache as PC
+from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.plans import rungs as rungs_lib
+from hbm_guard._src.record import record as R
 
 
 def sgd_step(w, x):

@@ -6,18 +6,18 @@ import functools
 import pytest
 
 import hbm_guard
-from hbm_guard._src.search import planner as planner_lib
+from hbm_guard._src.plans import ladder as ladder_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.search import bisection
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import driver as driver_lib
 from hbm_guard._src.search import hint
 from hbm_guard._src.search import model
+from hbm_guard._src.search import planner as planner_lib
 from hbm_guard._src.search import race
 from hbm_guard._src.search import space
 from hbm_guard._src.search import state as state_lib
 from hbm_guard._src.search import tuning
-from hbm_guard._src.plans import ladder as ladder_lib
-from hbm_guard._src.plans import rungs as rungs_lib
 
 MiB = 2**20
 

@@ -18,17 +18,17 @@ import jax
 from jax._src import core as jax_core
 
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.plans import rungs as rungs_lib
-from hbm_guard._src.plans import layout as layout_lib
-from hbm_guard._src.memory import memory_dump
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.search import tuning
-from hbm_guard._src.search.state import program
 from hbm_guard._src.backends import steps as steps_lib
 from hbm_guard._src.backends import targets as targets_lib
+from hbm_guard._src.memory import memory_dump
+from hbm_guard._src.plans import layout as layout_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import thread_context
 from hbm_guard._src.plans import user_shardings
+from hbm_guard._src.search import tuning
+from hbm_guard._src.search.state import program
 
 MiB = 1 << 20
 # jax's error for a program its sharding types refuse (not public; every jax we support has it)

@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator
 import jax
 from absl import logging
 
-from hbm_guard._src.memory import breakdown as breakdown_lib
-from hbm_guard._src.record import errors
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.record import record as record_lib
 from hbm_guard._src.backends import step_time
+from hbm_guard._src.memory import breakdown as breakdown_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import errors
+from hbm_guard._src.record import record as record_lib
 
 HEARTBEAT_SECONDS = 15.0
 

@@ -16,16 +16,16 @@ import os
 import types
 from typing import Any, Callable, Mapping
 
+from hbm_guard._src.backends import targets as targets_lib
+from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.files import untrusted
 from hbm_guard._src.plans import argnums as argnums_lib
-from hbm_guard._src.record import errors
 from hbm_guard._src.plans import ladder as ladder_lib
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import layout as layout_lib
 from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.plans import plan_trust
-from hbm_guard._src.files import report as report_lib
-from hbm_guard._src.backends import targets as targets_lib
-from hbm_guard._src.files import untrusted
+from hbm_guard._src.plans import rungs as rungs_lib
+from hbm_guard._src.record import errors
 
 PLAN_FILE_MAX_BYTES = 16 << 20  # a plan file, or a whole report holding one
 

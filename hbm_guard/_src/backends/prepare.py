@@ -24,10 +24,10 @@ import time
 from absl import logging
 
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import thread_context
 from hbm_guard._src.search import space
 from hbm_guard._src.search import tuning

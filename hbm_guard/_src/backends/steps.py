@@ -17,18 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hbm_guard._src.plans import auto_offload
-from hbm_guard._src.dropin import batch_context
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.record import errors
 from hbm_guard._src.backends import flop_count
+from hbm_guard._src.backends import options as options_lib
+from hbm_guard._src.backends import trace as trace_lib
+from hbm_guard._src.dropin import batch_context
 from hbm_guard._src.dropin import intercept
+from hbm_guard._src.plans import auto_offload
 from hbm_guard._src.plans import keywords
 from hbm_guard._src.plans import layout as layout_lib
-from hbm_guard._src.backends import options as options_lib
 from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.backends import trace as trace_lib
 from hbm_guard._src.plans import user_shardings
+from hbm_guard._src.record import errors
 
 
 class NewSignature(Exception):

@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 
-from hbm_guard._src.record import errors
-from hbm_guard._src.record import record as record_lib
 from hbm_guard._src.backends import step_time
 from hbm_guard._src.plans import thread_context
+from hbm_guard._src.record import errors
+from hbm_guard._src.record import record as record_lib
 
 
 @functools.cache

@@ -12,9 +12,9 @@ import time
 from typing import Any, Sequence
 
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.record import errors
-from hbm_guard._src.guard import guard as guard_lib
 from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.guard import guard as guard_lib
+from hbm_guard._src.record import errors
 
 
 def load_factory(spec: str):

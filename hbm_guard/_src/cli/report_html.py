@@ -13,9 +13,9 @@ import urllib.parse
 from typing import Any
 
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.record import diagnose as diagnose_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import diagnose as diagnose_lib
 
 _fmt = diagnose_lib.format_bytes
 _PARTS = (("arguments", "#4e79a7"), ("outputs", "#f28e2b"), ("temporaries", "#e15759"),

@@ -28,15 +28,15 @@ from hbm_guard._src.dropin import batch_context
 from hbm_guard._src.dropin import batch_tags
 from hbm_guard._src.dropin import batch_units
 from hbm_guard._src.dropin import cond_branches
-from hbm_guard._src.record import errors
 from hbm_guard._src.dropin import following as following_lib
 from hbm_guard._src.dropin import layers as layers_lib
 from hbm_guard._src.dropin import loss_split
 from hbm_guard._src.dropin import micro_program
 from hbm_guard._src.dropin import microbatch
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.dropin import retrace
+from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.plans import swap
+from hbm_guard._src.record import errors
 
 # A failure inside the analysis or the rewrite is a bug of the guard's: where set (the
 # tests set HBM_GUARD_RAISE_INTERNAL=1), it is raised instead of turned into a refusal.

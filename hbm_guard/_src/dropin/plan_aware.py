@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from hbm_guard._src.plans import argnums as argnums_lib
-from hbm_guard._src.record import errors
 from hbm_guard._src.dropin import intercept
+from hbm_guard._src.plans import argnums as argnums_lib
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import errors
 
 # Plan names for jax.checkpoint_policies; "everything_saveable" is remat that saves all,
 # i.e. the same memory as no remat: what a planned layer does before the remat rung.

@@ -25,9 +25,9 @@ from typing import Any, Callable, Mapping
 
 from absl import logging
 
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.files import untrusted
+from hbm_guard._src.plans import plan as plan_lib
 
 ENV = "HBM_GUARD_PLAN_CACHE"
 _OFF = ("", "0", "off", "false", "no", "none")

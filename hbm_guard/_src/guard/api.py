@@ -10,8 +10,8 @@ import os
 from typing import Any, Callable, Sequence
 
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.guard.guard import GuardedFunction
+from hbm_guard._src.plans import plan as plan_lib
 
 
 class _Default:

@@ -12,10 +12,10 @@ from typing import Any
 
 from hbm_guard._src.backends import compile as compile_lib
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.backends import steps as steps_lib
 from hbm_guard._src.files import plan_cache as plan_cache_lib
 from hbm_guard._src.files import report as report_lib
-from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.plans import plan as plan_lib
 
 Status = report_lib.Status
 

@@ -12,14 +12,14 @@ from typing import Any, Callable, Sequence
 from absl import logging
 
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.record import diagnose as diagnose_lib
 from hbm_guard._src.backends import hosts as hosts_lib
-from hbm_guard._src.plans import ladder as ladder_lib
-from hbm_guard._src.plans import rungs as rungs_lib
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.record import record as record_lib
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.backends import step_time
+from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.plans import ladder as ladder_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
+from hbm_guard._src.record import diagnose as diagnose_lib
+from hbm_guard._src.record import record as record_lib
 
 _MAX_REFITS = 4  # microbatch counts re-chosen for an uneven batch before giving up
 

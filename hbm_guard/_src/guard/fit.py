@@ -15,24 +15,24 @@ from typing import Callable
 import jax
 from absl import logging
 
+from hbm_guard._src.backends import compile as compile_lib
+from hbm_guard._src.backends import hosts as hosts_lib
+from hbm_guard._src.backends import options as options_lib
+from hbm_guard._src.backends import prepare as prepare_lib
+from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.backends import trace as trace_lib
+from hbm_guard._src.files import plan_cache as plan_cache_lib
+from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.guard import budget as budget_lib
 from hbm_guard._src.guard import cache_key as cache_key_lib
 from hbm_guard._src.guard import climb as climb_lib
-from hbm_guard._src.backends import compile as compile_lib
 from hbm_guard._src.guard import fit_ended as ended
-from hbm_guard._src.backends import hosts as hosts_lib
-from hbm_guard._src.plans import ladder as ladder_lib
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.guard import ledger as ledger_lib
-from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.files import plan_cache as plan_cache_lib
-from hbm_guard._src.search import planner as planner_lib
-from hbm_guard._src.backends import prepare as prepare_lib
-from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.guard import spend as spend_lib
-from hbm_guard._src.backends import steps as steps_lib
-from hbm_guard._src.backends import trace as trace_lib
+from hbm_guard._src.plans import ladder as ladder_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
+from hbm_guard._src.search import planner as planner_lib
 from hbm_guard._src.search import rivals as rivals_lib
 from hbm_guard._src.search import space
 

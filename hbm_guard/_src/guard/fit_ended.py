@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from absl import logging
 
+from hbm_guard._src.backends import options as options_lib
+from hbm_guard._src.files import report as report_lib
 from hbm_guard._src.guard import budget as budget_lib
 from hbm_guard._src.guard import climb as climb_lib
+from hbm_guard._src.guard import ledger as ledger_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.record import diagnose as diagnose_lib
 from hbm_guard._src.record import errors
-from hbm_guard._src.guard import ledger as ledger_lib
-from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.search import planner as planner_lib
-from hbm_guard._src.files import report as report_lib
-from hbm_guard._src.plans import rungs as rungs_lib
 
 Status = report_lib.Status
 AboveClass = ledger_lib.AboveClass

@@ -21,20 +21,21 @@ from typing import Callable, Hashable
 import jax
 
 from hbm_guard._src.backends import backend as backend_lib
+from hbm_guard._src.backends import compile as compile_lib
+from hbm_guard._src.backends import estimated as estimated_lib
+from hbm_guard._src.backends import options as options_lib
+from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.files import plan_cache as plan_cache_lib
 from hbm_guard._src.guard import boundary
 from hbm_guard._src.guard import climb as climb_lib
-from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.record import errors
-from hbm_guard._src.backends import estimated as estimated_lib
 from hbm_guard._src.guard import fit as fit_lib
 from hbm_guard._src.guard import keep
-from hbm_guard._src.plans import layout as layout_lib
-from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.files import plan_cache as plan_cache_lib
-from hbm_guard._src.record import record as record_lib
-from hbm_guard._src.backends import steps as steps_lib
 from hbm_guard._src.guard import tournament as tournament_lib
+from hbm_guard._src.plans import layout as layout_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import errors
+from hbm_guard._src.record import record as record_lib
+
 
 class GuardedFunction:
   """A jitted step that recompiles down the ladder when it does not fit. See guarded_jit."""

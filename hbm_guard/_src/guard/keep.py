@@ -15,17 +15,17 @@ from typing import Callable
 import jax
 from absl import logging
 
-from hbm_guard._src.guard import climb as climb_lib
 from hbm_guard._src.backends import compile as compile_lib
 from hbm_guard._src.backends import estimated as estimated_lib
-from hbm_guard._src.guard import fit as fit_lib
-from hbm_guard._src.plans import layout as layout_lib
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.search import planner as planner_lib
-from hbm_guard._src.record import record as record_lib
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.guard import climb as climb_lib
+from hbm_guard._src.guard import fit as fit_lib
 from hbm_guard._src.guard import tournament as tournament_lib
+from hbm_guard._src.plans import layout as layout_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import record as record_lib
+from hbm_guard._src.search import planner as planner_lib
 from hbm_guard._src.search import rivals as rivals_lib
 
 

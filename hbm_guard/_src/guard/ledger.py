@@ -8,12 +8,12 @@ from typing import Any
 
 from absl import logging
 
-from hbm_guard._src.guard import climb as climb_lib
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.record import diagnose as diagnose_lib
 from hbm_guard._src.backends import options as options_lib
-from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.files import report as report_lib
+from hbm_guard._src.guard import climb as climb_lib
+from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import diagnose as diagnose_lib
 
 Status = report_lib.Status
 

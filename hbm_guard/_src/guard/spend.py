@@ -12,14 +12,14 @@ from typing import Callable, Sequence
 from absl import logging
 
 from hbm_guard._src.backends import backend as backend_lib
-from hbm_guard._src.guard import budget as budget_lib
 from hbm_guard._src.backends import compile as compile_lib
-from hbm_guard._src.guard import ledger as ledger_lib
-from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.search import planner as planner_lib
 from hbm_guard._src.backends import probing
 from hbm_guard._src.backends import steps as steps_lib
+from hbm_guard._src.guard import budget as budget_lib
+from hbm_guard._src.guard import ledger as ledger_lib
+from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.plans import thread_context
+from hbm_guard._src.search import planner as planner_lib
 
 MAX_PROBE_WORKERS = 4  # probes side by side, at most (and no more than the host's cores)
 

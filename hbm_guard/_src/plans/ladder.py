@@ -16,12 +16,12 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from hbm_guard._src.record import diagnose
-from hbm_guard._src.record import errors
 from hbm_guard._src.plans import plan as plan_lib
-from hbm_guard._src.record import record as record_lib
 from hbm_guard._src.plans.rung_specs import SPECS, Axis, applies, apply, saving_bound
 from hbm_guard._src.plans.rungs import Rung, RungClass, Skip, SkipKind, StepFacts
+from hbm_guard._src.record import diagnose
+from hbm_guard._src.record import errors
+from hbm_guard._src.record import record as record_lib
 
 
 @functools.cache

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from hbm_guard._src.record import errors
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import plan as plan_lib
 from hbm_guard._src.plans import rung_specs
+from hbm_guard._src.plans import rungs as rungs_lib
+from hbm_guard._src.record import errors
 
 Kind, Class = rungs_lib.RungKind, rungs_lib.RungClass
 

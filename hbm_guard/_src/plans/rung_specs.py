@@ -15,8 +15,8 @@ import enum
 import math
 from typing import Callable, Sequence
 
-from hbm_guard._src.record import diagnose
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import diagnose
 from hbm_guard._src.record import record as record_lib
 from hbm_guard._src.plans.rungs import (CLASSES, HEADROOM, Rung, RungClass, RungKind, SkipKind,
                                   StepFacts)

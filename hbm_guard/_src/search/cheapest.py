@@ -9,8 +9,8 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from hbm_guard._src.record import diagnose
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import diagnose
 from hbm_guard._src.search import bisection
 from hbm_guard._src.search import model
 from hbm_guard._src.search import race as race_lib

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hbm_guard._src.record import diagnose
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import diagnose
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import model
 from hbm_guard._src.search import state as state_lib

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from hbm_guard._src.plans import ladder as ladder_lib
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.search import model
 from hbm_guard._src.search.driver import Driver
 from hbm_guard._src.search.state import program

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from hbm_guard._src.record import diagnose as diagnose_lib
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.record import diagnose as diagnose_lib
 from hbm_guard._src.search import tuning
 from hbm_guard._src.search.state import SearchState, program
 

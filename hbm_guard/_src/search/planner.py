@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.plans import plan as plan_lib
+from hbm_guard._src.plans import rungs as rungs_lib
 from hbm_guard._src.search import cheapest
 from hbm_guard._src.search import hint
 from hbm_guard._src.search import ladder_walk
