@@ -6,6 +6,7 @@ compile cost as much as compiling the candidates."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from hbm_guard._src.plans import plan as plan_lib
@@ -34,15 +35,37 @@ def race(driver: Driver, families: Sequence[Plan], counts: Sequence[int],
       return None
     first = ranked[0]
     if not driver.compiling(first):
-      # A round: the cheapest, as many as the compiles still running leave room for (one
-      # ruled out as it ran is not waited for, but holds its core), the dearest first:
-      # the likeliest to fit, its longer compile started while the others are lowered.
-      # While the cheapest runs no more are started: at 368M a third compile beside the
-      # one that fit made it take 73 s, not 49. Where its family's failures predict it
-      # fits, it is started alone: a loser beside it only slows the compile that decides
-      # (a 1B LM's microbatch(4): 143 s with losers beside, 110 s alone).
-      width = 1 if model.line_fits(driver.state, first) else driver.width - driver.busy()
-      for plan in reversed(ranked[:max(1, width)]):
+      for plan in reversed(_round(driver, ranked)):
         driver.start_compile(plan)
     if driver.compiled_fits(first):
       return first, driver.state.needs.get(program(first)) or 0, price(first)
+
+
+def _round(driver: Driver, ranked: Sequence[Plan]) -> list[Plan]:
+  """What a round starts, cheapest first (started dearest first: the likeliest to fit, its
+  longer compile begun while the others are lowered). The cheapest, and as many more as
+  the compiles still running leave room for (one ruled out as it ran is not waited for,
+  but holds its core); while the cheapest runs no more are started (at 368M a third
+  compile beside the one that fit made it take 73 s, not 49).
+
+  Where F + P / k through its family's failures puts the cheapest under the capacity, it
+  is started alone: a loser beside it only slows the compile that decides (a 1B LM's
+  microbatch(4): 143 s with losers beside, 110 s alone). Otherwise the last place goes to
+  the cheapest plan so predicted, if any: the round then ends the race unless a cheaper
+  plan fits (the 1B LM: remat at 1 beside microbatch(4), not remat at 1 and 2)."""
+  first = ranked[0]
+  if model.line_fits(driver.state, first):
+    return [first]
+  picked = list(ranked[:max(1, driver.width - driver.busy())])
+  hopeful = next((p for p in ranked[1:] if model.line_fits(driver.state, p)
+                  and not _may_rule_out(first, p)), None)
+  if len(picked) > 1 and hopeful is not None and hopeful not in picked:
+    picked[-1] = hopeful
+  return picked
+
+
+def _may_rule_out(first: Plan, plan: Plan) -> bool:
+  """Whether `first`'s figure may rule `plan` out before it is read: `plan` has a remat
+  policy and `first` is of its family without remat (`model.remat_no_help`)."""
+  return plan.remat_policy is not None and model.family_of(first) == model.family_of(
+      dataclasses.replace(plan, remat_policy=None))
