@@ -563,6 +563,28 @@ def test_a_race_candidate_its_familys_failures_predict_fits_is_compiled_alone():
   assert events[-2:] == [("start", None, 4), ("read", None, 4)]
 
 
+# An encoder-decoder (T5's shape, 386M) on v5e:1x1 (bench_archs), real figures in GiB: its
+# plain step failed at 40.01 with 5.75 of state; donated remat needed more than that.
+_ENCDEC = {None: {1: 34.5, 2: 18.54, 4: 15.1, 8: 12.0},
+           "dots": {1: 41.93, 2: 22.0, 4: 15.5, 8: 12.5}}
+
+
+def test_the_undonated_failure_less_the_state_is_a_point_of_the_donated_line():
+  # Round one: remat at 1 beside microbatch(2) (no remat at 1 is bounded out by the plain
+  # step's failure); both fail. Remat needed more than the plain step did undonated, so
+  # its family is out; 40.01 - 5.75 at 1 and 18.54 at 2 put microbatch(4) at 10.7 GiB:
+  # it is compiled alone, not beside remat at 4 (which took the decisive compile from 75
+  # s to 161).
+  events = []
+  planner, families = _racing_planner(_ENCDEC, events, flops={None: 1e13, "dots": 1.005e13},
+                                      plain=40.01, state=5.75)
+  choice = cheapest.choose(planner, families, [1, 2, 4, 8], offload_bytes=0, race=True)
+  assert (choice.plan.remat_policy, choice.plan.microbatches) == (None, 4)
+  started = [e[1:] for e in events if e[0] == "start"]
+  assert started == [(None, 2), ("dots", 1), (None, 4)], events
+  assert "not less than 40.01 GiB without remat" in model.remat_notes(planner.state)[0]
+
+
 def test_remat_that_frees_memory_stays_searched():
   planner, families = _racing_planner(_LM_NEEDS, [])
   donated, dots = families

@@ -81,7 +81,11 @@ def remat_no_help(state: SearchState, plan: Plan) -> tuple[Plan, int, int] | Non
   for measured, need in state.real.items():
     if family_of(measured) != family_of(plan):
       continue
-    without = state.real.get(program(dataclasses.replace(measured, remat_policy=None)))
+    bare = dataclasses.replace(measured, remat_policy=None)
+    # without remat, as compiled, or undonated (donation only lowers the need)
+    without = [state.real.get(program(p))
+               for p in (bare, dataclasses.replace(bare, donate_argnums=()))]
+    without = next((n for n in without if n is not None), None)
     if without is not None and need >= without:
       return measured, need, without
   return None
@@ -147,11 +151,26 @@ def next_likely_fails(state: SearchState, family: Plan, counts: Sequence[int],
   return not state.fits(int(fixed + per / counts[hi - 1]))
 
 
+def points(state: SearchState, plan: Plan) -> list[tuple[int, int]]:
+  """(count, figure) below `plan`'s count that need(k) ~ F + P / k is drawn through: its
+  family's real failures and, at counts without one, where the family donates, the
+  undonated family's less the state (all that donation can alias): an encoder-decoder's
+  plain step failed at 40.01 GiB with 5.75 of state, so its donated family is put at 34.26
+  or more unsplit."""
+  family = family_of(plan)
+  own = dict(anchors(state, family, plan.microbatches))
+  if family.donate_argnums:
+    undonated = dataclasses.replace(family, donate_argnums=())
+    for k, need in anchors(state, undonated, plan.microbatches):
+      own.setdefault(k, max(0, need - state.state_bytes))
+  return sorted(own.items())
+
+
 def line_fits(state: SearchState, plan: Plan) -> bool:
-  """Whether F + P / k through the two real failures of `plan`'s family nearest below its
-  count puts it under the capacity. A 1B decoder LM: 20.19 GiB at 1 and 17.18 at 2 put
+  """Whether F + P / k through the two `points` nearest below `plan`'s count puts it under
+  the capacity. A 1B decoder LM: 20.19 GiB at 1 and 17.18 at 2 put
   microbatch(4) at 15.68 of 15.75, and it fit."""
-  below = anchors(state, family_of(plan), plan.microbatches)
+  below = points(state, plan)
   if len(below) < 2 or plan.microbatches < 2:
     return False
   (k0, n0), (k1, n1) = below[-2:]
