@@ -58,6 +58,12 @@ BENCHMARKS = (
     Benchmark("scale_unmodified", "At a real size, the step unmodified",
               ("-m", "benchmarks.bench_scale", "--unmodified", "--skip-halving"),
               "the same, with nothing plan-aware in the step: the drop-in's analysis"),
+    Benchmark("archs", "Fit cost across architectures, at real sizes",
+              ("-m", "benchmarks.bench_archs"),
+              "six unmodified steps of five kinds (a decoder LM with a 262k vocabulary, an "
+              "encoder-decoder, ViT-L/16, layers under nn.scan and nn.remat, a mixture of "
+              "experts; the decoder LM also at 1.3B on four chips): the fit against one "
+              "compile of the plan it keeps"),
     Benchmark("breakdown", "Where the memory goes, at a real size",
               ("-m", "benchmarks.bench_breakdown"),
               "the 368M LM unmodified for v5e:1x1 fitted with the memory breakdown on and "
