@@ -66,6 +66,10 @@ def _round(driver: Driver, ranked: Sequence[Plan]) -> list[Plan]:
 
 def _may_rule_out(first: Plan, plan: Plan) -> bool:
   """Whether `first`'s figure may rule `plan` out before it is read: `plan` has a remat
-  policy and `first` is of its family without remat (`model.remat_no_help`)."""
-  return plan.remat_policy is not None and model.family_of(first) == model.family_of(
-      dataclasses.replace(plan, remat_policy=None))
+  policy and `first` is of its family without remat, donated as it is or not at all
+  (`model.remat_no_help`)."""
+  if plan.remat_policy is None:
+    return False
+  bare = dataclasses.replace(plan, remat_policy=None)
+  return model.family_of(first) in (
+      model.family_of(bare), model.family_of(dataclasses.replace(bare, donate_argnums=())))
