@@ -531,18 +531,24 @@ _REMAT_WORSE = {None: {1: 20.19, 2: 17.18, 4: 15.3, 8: 14.9},
                 "dots": {1: 25.23, 2: 19.20, 4: 16.5, 8: 15.0}}
 
 
+def _raced(needs, remat_flops, plain, state):
+  """(the race's choice, (policy, count) of each compile started, the events, the planner)
+  for a step whose plain compile failed at `plain` GiB with `state` GiB of state."""
+  events = []
+  planner, families = _racing_planner(needs, events, flops={None: 1e13, "dots": remat_flops},
+                                      plain=plain, state=state)
+  choice = cheapest.choose(planner, families, [1, 2, 4, 8], offload_bytes=0, race=True)
+  return choice, [e[1:] for e in events if e[0] == "start"], events, planner
+
+
 def test_a_remat_family_that_needs_more_than_none_is_not_searched_further():
   # No remat at 1 and 2 fail (20.19, 17.18 GiB): F + P / k through them puts microbatch(4)
   # at 15.68 GiB, under the capacity. The next round is the cheapest left (remat at 1)
   # beside that plan, not remat at 1 and 2. Remat at 1 needs more than no remat at 1: its
   # family is not searched further, and microbatch(4), which fits, is the choice, three
   # rounds where the 1B LM took four. The planning says why remat was left.
-  events = []
-  planner, families = _racing_planner(_REMAT_WORSE, events, flops={None: 1e13, "dots": 1.01e13},
-                                      plain=25.27, state=9.0)
-  choice = cheapest.choose(planner, families, [1, 2, 4, 8], offload_bytes=0, race=True)
+  choice, started, events, planner = _raced(_REMAT_WORSE, 1.01e13, 25.27, 9.0)
   assert (choice.plan.remat_policy, choice.plan.microbatches) == (None, 4)
-  started = [e[1:] for e in events if e[0] == "start"]
   assert started == [(None, 2), (None, 1), (None, 4), ("dots", 1)], events
   notes = model.remat_notes(planner.state)
   assert len(notes) == 1 and "not less than 20.19 GiB without remat" in notes[0], notes
@@ -553,12 +559,8 @@ def test_a_race_candidate_its_familys_failures_predict_fits_is_compiled_alone():
   # GiB); remat at 8, predicted at 14.68, does not take a place beside no remat at 1, whose
   # figure may rule remat out (it does). No remat fails at 1 and 2, which put 4 at 15.68:
   # it is compiled alone, microbatch(8) not beside it.
-  events = []
-  planner, families = _racing_planner(_REMAT_WORSE, events, flops={None: 1e13, "dots": 0.99e13},
-                                      plain=25.27, state=9.0)
-  choice = cheapest.choose(planner, families, [1, 2, 4, 8], offload_bytes=0, race=True)
+  choice, started, events, planner = _raced(_REMAT_WORSE, 0.99e13, 25.27, 9.0)
   assert (choice.plan.remat_policy, choice.plan.microbatches) == (None, 4)
-  started = [e[1:] for e in events if e[0] == "start"]
   assert started == [("dots", 2), ("dots", 1), (None, 2), (None, 1), (None, 4)], events
   assert events[-2:] == [("start", None, 4), ("read", None, 4)]
 
@@ -575,12 +577,8 @@ def test_the_undonated_failure_less_the_state_is_a_point_of_the_donated_line():
   # its family is out; 40.01 - 5.75 at 1 and 18.54 at 2 put microbatch(4) at 10.7 GiB:
   # it is compiled alone, not beside remat at 4 (which took the decisive compile from 75
   # s to 161).
-  events = []
-  planner, families = _racing_planner(_ENCDEC, events, flops={None: 1e13, "dots": 1.005e13},
-                                      plain=40.01, state=5.75)
-  choice = cheapest.choose(planner, families, [1, 2, 4, 8], offload_bytes=0, race=True)
+  choice, started, events, planner = _raced(_ENCDEC, 1.005e13, 40.01, 5.75)
   assert (choice.plan.remat_policy, choice.plan.microbatches) == (None, 4)
-  started = [e[1:] for e in events if e[0] == "start"]
   assert started == [(None, 2), ("dots", 1), (None, 4)], events
   assert "not less than 40.01 GiB without remat" in model.remat_notes(planner.state)[0]
 
