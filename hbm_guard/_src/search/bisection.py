@@ -96,7 +96,12 @@ def prefetch_family(driver: Driver, family: Plan, counts: Sequence[int]) -> Plan
 
 def _below_compiled(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
   """The fewest that fit, where the most is being compiled: the fewer counts are bisected
-  by probes meanwhile, one at a time, and the compile is waited for only if none fits."""
+  by probes meanwhile, one at a time, and the compile is waited for only if none fits.
+  Only counts at least `BESIDE_GAIN` cheaper than the one compiling are worth a probe."""
+  top = driver.cost(model.at(family, counts[-1]), 0)
+  counts = [k for k in counts[:-1]
+            if driver.cost(model.at(family, k), 0) <= top * (1 - tuning.BESIDE_GAIN)
+            ] + [counts[-1]]
   lo = bisect(driver, family, counts, thirds=False)  # counts[-1]: compiling, taken to fit
   if lo < len(counts) - 1:
     return counts[lo]
