@@ -466,7 +466,29 @@ def test_no_compile_is_started_ahead_where_the_bounding_family_is_flat():
   events = []
   choice, _ = _readme_planner(figures, lambda p: True, events, events, capacity=40 * MiB)
   assert choice.plan == hbm_guard.Plan(microbatches=2)
-  assert not [e for e in events if isinstance(e, tuple)]  # nothing compiled beside
+  # Nothing compiled beside but the answer: once 2 bounds the family, the line through 2
+  # and 64 puts 1 over, so 2 is compiled beside the probe of 1.
+  assert [e for e in events if isinstance(e, tuple)] == [(None, 2)]
+
+
+def test_the_bound_is_compiled_beside_the_last_probe_its_line_says_fails():
+  # A mixture of experts on v5e:1x1 (bench_archs' figures, GiB): 16 fits by its probe, 4
+  # does not; through the two, 8 is at 12.2, over once scaled. So 16 is compiled at once,
+  # beside the probe of 8, not after it (74 s -> 64 s of a fit whose compile takes 36).
+  needs = {1: 30.5, 2: 22.0, 4: 16.60, 8: 11.72, 16: 10.08}
+  events = []
+  def start_probes(plans):
+    events.append([p.microbatches for p in plans])
+    return [lambda p=p: (int(needs[p.microbatches] * GiB), 10.0) for p in plans]
+  def start_compile(plan):
+    events.append(("compile", plan.microbatches))
+    return lambda: (int(12.75 * GiB), 36.0, True)
+  planner = driver_lib.Driver(lambda p: start_probes([p])[0]()[0], lambda p: 1.0e11,
+                              capacity=int(15.75 * GiB), scale=1.3, start_probes=start_probes,
+                              side_by_side=True, start_compile=start_compile)
+  k = bisection.smallest_count(planner, hbm_guard.Plan(), [1, 2, 4, 8, 16])
+  assert k == 16
+  assert events == [[16, 4], ("compile", 16), [8]]
 
 
 GiB = 2**30

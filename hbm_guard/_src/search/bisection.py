@@ -128,6 +128,13 @@ def bisect(driver: Driver, family: Plan, counts: Sequence[int], thirds: bool,
       # The compile started ahead is the choice if none of these fits, as is likeliest.
       # From the top down, one at a time: the first that does not fit ends the search.
       thirds, downward = False, True
+    if (thirds and hi - lo == 1 and not downward and driver.compiles_beside
+        and model.next_likely_fails(driver.state, family, counts, hi)):
+      # One count left, predicted not to fit: the bound, the likely answer, is compiled
+      # now, beside that count's probe (the MoE: microbatch(16) beside the probe of 8).
+      driver.start_compile(at(hi))
+      if driver.cost(at(lo), 0) > driver.cost(at(hi), 0) * (1 - tuning.BESIDE_GAIN):
+        return hi  # not worth a probe beside that compile
     mid = hi - 1 if downward else (lo + hi) // 2
     if thirds and hi - lo >= 2 and not driver.started(at(mid)):
       a, b = lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3
