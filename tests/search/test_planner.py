@@ -116,6 +116,23 @@ def test_dear_probes_of_a_familys_two_ends_start_together_before_the_pricing():
   assert [p.seconds for p in planner.probes] == [30.0, 30.0]  # each one's own seconds
 
 
+def test_dear_probes_read_the_second_figure_where_a_probe_is_running():
+  # A mixture of experts (bench_archs): its probe of 4, started while the plain step
+  # compiled, is running when the family is searched: the line is drawn through it and
+  # the most, and no round is spent on the fewest split (2).
+  events = []
+  def start_probes(plans):
+    events.append(("start", [p.microbatches for p in plans]))
+    return [lambda p=p: (_lm_like(p), 30.0) for p in plans]
+  planner = driver_lib.Driver(lambda p: 1 / 0, lambda plan: 1e12, capacity=int(15.75 * 2**30),
+                              scale=1.0, clock=_Clock(120.0), start_probes=start_probes)
+  planner.observe(hbm_guard.Plan(), real_bytes=None, fits=False, seconds=60.0)
+  planner.prefetch([hbm_guard.Plan(microbatches=4)])  # the opening's
+  choice = cheapest.choose(planner, [hbm_guard.Plan()], [1, 2, 4, 8, 16], offload_bytes=0)
+  assert choice.plan == hbm_guard.Plan(microbatches=8)  # 6 + 58/8 = 13.25 GiB
+  assert events == [("start", [4]), ("start", [16])]
+
+
 def test_another_familys_failure_is_no_anchor():
   # The plain step failed low (an unsplit program, no donation); the donated family's split
   # program holds more at k = 2 than that figure: the model must be anchored in the family.

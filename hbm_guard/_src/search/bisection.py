@@ -89,8 +89,9 @@ def prefetch_family(driver: Driver, family: Plan, counts: Sequence[int]) -> Plan
     # left over (on two, it slowed the README job's fit by 0.3 s).
     driver.prefetch([low, most] if driver.width > 2 else [low])
     return low
-  driver.prefetch(space.first_probes(family, counts, driver.state.dear,
-                                     bool(model.anchors(driver.state, family, counts[-1]))))
+  anchored = (bool(model.anchors(driver.state, family, counts[-1]))
+              or two_point.started_second(driver, family, counts) is not None)
+  driver.prefetch(space.first_probes(family, counts, driver.state.dear, anchored))
   return None
 
 

@@ -90,8 +90,8 @@ def anchor_count(counts: Sequence[int]) -> int:
 def first_probes(family: Plan, counts: Sequence[int], dear: bool, anchored: bool
                  ) -> list[Plan]:
   """A family's first two probes: its most microbatches, and where probes are dear the
-  count its model is anchored at (unless a failed compile anchors it), else the
-  bisection's first midpoint."""
+  count its model is anchored at (unless a failed compile or a probe started already
+  anchors it), else the bisection's first midpoint."""
   if len(counts) < 2:
     return [model.at(family, k) for k in counts]
   if not dear:

@@ -17,7 +17,8 @@ Plan = plan_lib.Plan
 
 def fewest(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
   """Two figures of this family: its probe at the most microbatches, and at fewer its
-  latest failed compile, else a probe at the fewest split. Another family's figure is no
+  latest failed compile, else a probe read or running (`_second_count`), else one at the
+  fewest split. Another family's figure is no
   anchor: a split step holds accumulators an unsplit one does not (at 368M the unsplit
   step's early figure read below its split: 19.37 GiB, then 20.47 at k = 2)."""
   k1 = counts[-1]
@@ -26,7 +27,7 @@ def fewest(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
   scale = driver.state.scale if driver.state.ratios else 1.0  # probes against real: no prior
   room = driver.state.headroom * driver.state.capacity
   if not anchors:
-    k0 = space.anchor_count(counts)
+    k0 = _second_count(driver, family, counts)
     n0 = driver.need(model.at(family, k0))
     if n0 is None:
       return k1  # no second figure: the most microbatches, which its probe said fit
@@ -50,3 +51,19 @@ def fewest(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
       driver.update(state_lib.predicted, plan, predicted)
       return k
   return None
+
+
+def started_second(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
+  """The fewest split count below the most whose probe was read with a figure or is
+  running (the opening's: a mixture of experts' probe of 4, started while its plain step
+  compiled): the second figure is read there, not at a new round's."""
+  def known(k):
+    plan = model.at(family, k)
+    return driver.pending(plan) or driver.state.needs.get(program(plan)) is not None
+  return next((k for k in counts[:-1] if k > 1 and known(k)), None)
+
+
+def _second_count(driver: Driver, family: Plan, counts: Sequence[int]) -> int:
+  """Where the second figure is read: a probe started already, else the fewest split."""
+  started = started_second(driver, family, counts)
+  return started if started is not None else space.anchor_count(counts)
