@@ -99,14 +99,19 @@ def _below_compiled(driver: Driver, family: Plan, counts: Sequence[int]) -> int 
   """The fewest that fit, where the most is being compiled: the fewer counts are bisected
   by probes meanwhile, one at a time, and the compile is waited for only if none fits.
   Only counts at least `BESIDE_GAIN` cheaper than the one compiling are worth a probe."""
-  top = driver.cost(model.at(family, counts[-1]), 0)
+  top = model.at(family, counts[-1])
   counts = [k for k in counts[:-1]
-            if driver.cost(model.at(family, k), 0) <= top * (1 - tuning.BESIDE_GAIN)
-            ] + [counts[-1]]
+            if _worth_a_probe(driver, model.at(family, k), top)] + [counts[-1]]
   lo = bisect(driver, family, counts, thirds=False)  # counts[-1]: compiling, taken to fit
   if lo < len(counts) - 1:
     return counts[lo]
   return counts[-1] if driver.compiled_fits(model.at(family, counts[-1])) else None
+
+
+def _worth_a_probe(driver: Driver, plan: Plan, compiling: Plan) -> bool:
+  """Whether `plan` is worth a probe beside the compile of `compiling` (its family's, more
+  microbatches): priced `BESIDE_GAIN` cheaper by the model."""
+  return driver.cost(plan, 0) <= driver.cost(compiling, 0) * (1 - tuning.BESIDE_GAIN)
 
 
 def bisect(driver: Driver, family: Plan, counts: Sequence[int], thirds: bool,
@@ -134,8 +139,8 @@ def bisect(driver: Driver, family: Plan, counts: Sequence[int], thirds: bool,
       # One count left, predicted not to fit: the bound, the likely answer, is compiled
       # now, beside that count's probe (the MoE: microbatch(16) beside the probe of 8).
       driver.start_compile(at(hi))
-      if driver.cost(at(lo), 0) > driver.cost(at(hi), 0) * (1 - tuning.BESIDE_GAIN):
-        return hi  # not worth a probe beside that compile
+      if not _worth_a_probe(driver, at(lo), at(hi)):
+        return hi
     mid = hi - 1 if downward else (lo + hi) // 2
     if thirds and hi - lo >= 2 and not driver.started(at(mid)):
       a, b = lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3

@@ -17,17 +17,17 @@ Plan = plan_lib.Plan
 
 def fewest(driver: Driver, family: Plan, counts: Sequence[int]) -> int | None:
   """Two figures of this family: its probe at the most microbatches, and at fewer its
-  latest failed compile, else a probe read or running (`_second_count`), else one at the
-  fewest split. Another family's figure is no
-  anchor: a split step holds accumulators an unsplit one does not (at 368M the unsplit
-  step's early figure read below its split: 19.37 GiB, then 20.47 at k = 2)."""
+  latest failed compile, else a probe read or running (`started_second`), else one at the
+  fewest split. Another family's figure is no anchor: a split step holds accumulators an
+  unsplit one does not (at 368M the unsplit step's early figure read below its split:
+  19.37 GiB, then 20.47 at k = 2)."""
   k1 = counts[-1]
   n1 = driver.need(model.at(family, k1))
   anchors = model.anchors(driver.state, family, k1)
   scale = driver.state.scale if driver.state.ratios else 1.0  # probes against real: no prior
   room = driver.state.headroom * driver.state.capacity
   if not anchors:
-    k0 = _second_count(driver, family, counts)
+    k0 = started_second(driver, family, counts) or space.anchor_count(counts)
     n0 = driver.need(model.at(family, k0))
     if n0 is None:
       return k1  # no second figure: the most microbatches, which its probe said fit
@@ -62,8 +62,3 @@ def started_second(driver: Driver, family: Plan, counts: Sequence[int]) -> int |
     return driver.pending(plan) or driver.state.needs.get(program(plan)) is not None
   return next((k for k in counts[:-1] if k > 1 and known(k)), None)
 
-
-def _second_count(driver: Driver, family: Plan, counts: Sequence[int]) -> int:
-  """Where the second figure is read: a probe started already, else the fewest split."""
-  started = started_second(driver, family, counts)
-  return started if started is not None else space.anchor_count(counts)
